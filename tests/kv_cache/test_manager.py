@@ -1,0 +1,88 @@
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from loopserve.kv_cache import KVCacheManager, KVCapacityError, KVLayout, BlockPool
+
+
+def make(incremental=False, blocks=16, flat=8, bs=4):
+    return KVCacheManager(KVLayout(bs, blocks, flat, has_flat=flat > 0), incremental=incremental)
+
+
+def test_full_reservation_covers_every_plane():
+    m = make()
+    assert m.allocate("a", 9, 3)
+    t = m.block_table("a")
+    assert t.num_planes == 3 and all(len(p) == 3 for p in t.depth) and len(t.flat) == 3
+    assert m.capacity("a") == 12
+    assert m.usage().looped.used == 9 and m.usage().flat.used == 3
+    with pytest.raises(RuntimeError, match="fully reserved"):
+        m.allocate("a", 13, 3)
+    m.check()
+
+
+def test_never_fits_error_names_request_and_blocks():
+    m = make(blocks=8)
+    with pytest.raises(KVCapacityError) as e:
+        m.allocate("req-7", 20, 4)
+    msg = str(e.value)
+    assert "req-7" in msg and "20 looped blocks" in msg and "hold 8 looped" in msg
+    assert m.usage().used_blocks == 0
+
+
+def test_short_now_allocates_nothing():
+    m = make(blocks=8)
+    assert m.allocate("a", 16, 1)  # 4 blocks
+    assert not m.allocate("b", 8, 3)  # 6 > 4 free
+    assert not m.has("b") and m.usage().looped.used == 4
+    m.check()
+
+
+def test_incremental_growth_and_free_returns_all():
+    m = make(incremental=True)
+    assert m.allocate("a", 1, 2)
+    assert m.allocate("a", 4, 2)  # same block
+    assert m.usage().looped.used == 2
+    assert m.allocate("a", 5, 2)
+    assert m.usage().looped.used == 4 and len(m.block_table("a").flat) == 2
+    new_looped, new_flat = m.pop_new_blocks()
+    assert len(new_looped) == 4 and len(new_flat) == 2 and m.pop_new_blocks() == ([], [])
+    assert m.free("a") and not m.free("a")
+    assert m.usage().used_blocks == 0
+    m.check()
+
+
+def test_no_flat_pool_for_models_without_boundary_layers():
+    m = make(flat=0)
+    assert m.allocate("a", 8, 4)
+    assert m.block_table("a").flat == [] and m.usage().flat.total == 0
+    m.check()
+
+
+def test_pool_rejects_double_free():
+    p = BlockPool("x", 4)
+    ids = p.allocate(2)
+    p.free(ids)
+    with pytest.raises(RuntimeError, match="freed more often"):
+        p.free(ids[:1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(1, 30), st.integers(1, 4)), max_size=40))
+def test_random_alloc_free_keeps_accounting(ops):
+    m = make(incremental=True, blocks=24, flat=8)
+    for is_alloc, rid, ntok, planes in ops:
+        name = f"r{rid}"
+        if is_alloc:
+            if m.has(name):
+                planes = m.block_table(name).num_planes
+            try:
+                m.allocate(name, ntok, planes)
+            except KVCapacityError:
+                pass
+        else:
+            m.free(name)
+        m.check()
+    for rid in range(6):
+        m.free(f"r{rid}")
+    assert m.usage().used_blocks == 0
+    m.check()
