@@ -1,0 +1,74 @@
+"""The `loopserve` command line: generate (one-shot), serve (gRPC cluster), client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-loops", type=int, default=None)
+    p.add_argument("--max-loops", type=int, default=None)
+    p.add_argument("--exit-threshold", type=float, default=None)
+    p.add_argument("--stop", action="append", default=[])
+
+
+def _sampling(args: argparse.Namespace):
+    from loopserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, min_loops=args.min_loops, max_loops=args.max_loops,
+        exit_threshold=args.exit_threshold, stop=tuple(args.stop),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from loopserve.engine.llm import LLM
+
+    overrides = {"model": args.model} if args.model else {}
+    if args.device:
+        overrides["device"] = args.device
+    llm = LLM(args.config, **overrides)
+    for out in llm.generate(args.prompts, _sampling(args)):
+        if args.json:
+            print(json.dumps({"request_id": out.request_id, "text": out.text,
+                              "token_ids": out.token_ids, "exit_depths": out.exit_depths,
+                              "finish_reason": out.finish_reason}))
+        else:
+            print(f"--- {out.request_id} ({out.finish_reason}; exit depths {out.exit_depths})")
+            print(out.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate for prompts on a colocated engine and exit")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--config", default=None, help="engine YAML (default: built-in tiny CPU model)")
+    g.add_argument("--model", default=None, help="a model name in configs/models or an HF-format directory")
+    g.add_argument("--device", default=None)
+    g.add_argument("--json", action="store_true", help="one JSON object per line")
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"loopserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Engine configuration: one validated object per engine (YAML or Python)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_draft_tokens: int = Field(3, ge=1, le=16)
+    draft_loops: int = Field(1, ge=1)
+
+
+class EngineConfig(BaseModel):
+    """Everything one EngineCore needs. Unknown keys are errors (they are usually typos)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny-ouro"  # a name in configs/models/ or a Hugging Face-format directory
+    tokenizer: str | None = None  # a tokenizers JSON file; None = byte tokenizer
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0  # weights seed for random-initialised models; default sampling seed base
+    block_size: int = Field(16, ge=1, le=1024)
+    num_blocks: int = Field(512, ge=1)
+    num_flat_blocks: int | None = Field(None, ge=1)  # default: num_blocks // max_loops + 1
+    max_model_len: int = Field(1024, ge=2)
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    policy: Literal["refill", "no_refill", "priority", "mixed"] = "refill"
+    split_prefill: bool = False
+    prefill_chunk_size: int | None = Field(None, ge=1)
+    incremental_kv: bool = False
+    preemption_mode: Literal["keep", "offload"] = "keep"
+    speculative: SpeculativeConfig | None = None
+    async_scheduling: bool = False
+    role: Literal["colocated", "prefill", "decode"] = "colocated"
+    max_waiting: int = Field(4096, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.split_prefill and self.prefill_chunk_size is None:
+            self.prefill_chunk_size = min(256, self.max_num_batched_tokens)
+        return self

@@ -1,0 +1,334 @@
+"""EngineCore: one step = schedule one single-Operation batch, run it, feed results back.
+
+Plain Python objects (no Ray): a Ray actor, a plain process or the LLM class can host it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.handoff import HandoffState
+from loopserve.engine.model_runner import ModelRunner
+from loopserve.engine.outputs import EngineCounters, RequestOutput
+from loopserve.engine.request import Request
+from loopserve.engine.sampler import Sample, sample_rows
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
+from loopserve.model.registry import resolve_model
+from loopserve.model.tokenizer import load_tokenizer
+from loopserve.scheduler import (
+    BatchItem,
+    BatchResult,
+    ItemResult,
+    Operation,
+    Scheduler,
+    SchedulerConfig,
+    SchedRequest,
+    ScheduledBatch,
+    SpecConfig,
+)
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        self.config = config
+        dtype = _DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        self.model = model if model is not None else resolve_model(
+            config.model, dtype=dtype, device=self.device, seed=config.seed
+        )
+        self.tokenizer = load_tokenizer(config.tokenizer, vocab_size=self.model.vocab_size)
+        spec = self.model.kv_spec
+        self.max_loops = self.model.max_loops
+        has_flat = spec.num_flat_layers > 0
+        num_flat = (config.num_flat_blocks or config.num_blocks // self.max_loops + 1) if has_flat else 0
+        self.layout = KVLayout(config.block_size, config.num_blocks, num_flat, has_flat)
+        self.kv_manager = KVCacheManager(self.layout, incremental=config.incremental_kv)
+        sc = config.speculative
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                policy=config.policy,
+                split_prefill=config.split_prefill,
+                prefill_chunk_size=config.prefill_chunk_size,
+                incremental_kv=config.incremental_kv,
+                preemption_mode=config.preemption_mode,
+                speculative=SpecConfig(sc.num_draft_tokens, sc.draft_loops) if sc else None,
+                role=config.role,
+                coda_writes_kv=self.model.coda_writes_kv,
+                max_waiting=config.max_waiting,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self._pending_outputs: list[RequestOutput] = []
+        self._executor = ThreadPoolExecutor(1, "loopserve-exec") if config.async_scheduling else None
+        self._inflight: tuple[ScheduledBatch, Future] | None = None
+        self._handoffs: list[HandoffState] = []
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; ValueError names the bad field and its limit."""
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("request_id must be a non-empty string")
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be <= "
+                f"max_model_len ({limit})"
+            )
+        d = self.model.default_loop_params
+        params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.max_loops)
+        if not self.kv_manager.can_ever_fit(len(ids) + params.max_tokens, params.max_loops):
+            need = self.kv_manager.blocks_needed(len(ids) + params.max_tokens, params.max_loops)
+            raise ValueError(
+                f"request needs {need[0]} KV blocks ({len(ids)} + {params.max_tokens} tokens x "
+                f"{params.max_loops} loops), more than num_blocks ({self.layout.num_blocks})"
+            )
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
+                      eos_token_id=self.tokenizer.eos_token_id)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.scheduler.add_request(self._sched_request(req))  # may raise QueueFullError
+        self.requests[rid] = req
+        self.counters.prompt_tokens += len(ids)
+        return rid
+
+    def _sched_request(self, req: Request) -> SchedRequest:
+        p = req.params
+        return SchedRequest(
+            request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=p.max_tokens,
+            min_loops=p.min_loops, max_loops=p.max_loops, priority=p.priority,
+            arrival_time=req.arrival_time, greedy=p.greedy,
+        )
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        self.scheduler.abort(request_id)
+        if not req.finished:
+            req.finish_reason = "abort"
+            self.counters.requests_aborted += 1
+        self._pending_outputs.append(req.take_output())
+        self._retire(request_id)
+
+    def _retire(self, request_id: str) -> None:
+        """Forget a finished request once no batch in flight still holds it."""
+        if self._inflight and any(i.request_id == request_id for i in self._inflight[0].items):
+            return
+        self.requests.pop(request_id, None)
+        self.runner.drop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending_outputs) or self._inflight is not None
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.runner.apply_kv_moves(out.swap_out, self.kv_manager.pop_new_blocks(), out.swap_in)
+        self.counters.preemptions += len(out.preempted)
+        batch = out.batch
+        if self._executor is None:
+            if batch is not None:
+                self._finish(batch, self._execute(batch))
+        else:
+            fut = self._executor.submit(self._execute, batch) if batch is not None else None
+            if self._inflight is not None:
+                prev, prev_fut = self._inflight
+                self._inflight = None
+                self._finish(prev, prev_fut.result())
+            self._inflight = (batch, fut) if fut is not None else None
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def _finish(self, batch: ScheduledBatch, result: BatchResult) -> None:
+        events = self.scheduler.update(batch, result)
+        touched = {i.request_id for i in batch.items}
+        for rid in touched:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.finish_reason == "abort":
+                self._retire(rid)
+                continue
+            if req._new_tokens or req.finished:
+                self._pending_outputs.append(req.take_output())
+        for rid in events.finished:
+            req = self.requests.get(rid)
+            if req is not None and req.finish_reason != "abort":
+                self.counters.requests_finished += 1
+            self._retire(rid)
+        self.on_transferring(events.transferring)
+
+    # ------------------------------------------------------------------ PD roles
+    def on_transferring(self, request_ids: list[str]) -> None:
+        """Prefill role: the prompt is done and its KV awaits a reader; describe the handoff."""
+        for rid in request_ids:
+            req = self.requests[rid]
+            self._handoffs.append(HandoffState(
+                request_id=rid,
+                prompt_token_ids=list(req.prompt_token_ids),
+                output_token_ids=list(req.output_token_ids),
+                exit_depths=[req.exit_depth.get(p, 0) for p in range(req.num_tokens - 1)],
+                params=req.params.to_dict(),
+                seed=req.seed,
+                block_table=self.kv_manager.block_table(rid).to_dict(),
+                num_kv_tokens=req.prompt_len,
+                arrival_time=req.arrival_time,
+                first_token_time=req.first_token_time,
+            ))
+
+    def take_handoffs(self) -> list[HandoffState]:
+        out, self._handoffs = self._handoffs, []
+        return out
+
+    def transfer_done(self, request_id: str) -> None:
+        """Prefill role: the decode side has read the KV (or gave up); free the blocks."""
+        self.scheduler.transfer_done(request_id)
+        self._retire(request_id)
+
+    def add_handoff(self, h: HandoffState) -> BlockTable | None:
+        """Decode role: take over a prefilled request; returns the blocks to read KV into.
+
+        None when blocks are short right now (the caller retries or routes elsewhere).
+        """
+        params = SamplingParams.from_dict(h.params)
+        if h.request_id in self.requests:
+            raise ValueError(f"request_id {h.request_id!r} is already in use")
+        req = Request(h.request_id, list(h.prompt_token_ids), params, h.seed,
+                      self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id,
+                      arrival_time=h.arrival_time)
+        for t in h.output_token_ids:  # replay the first token(s) into the detokenizer
+            req.text += req.detok.add(t)
+        req._streamed_chars = len(req.text)
+        req.output_token_ids = list(h.output_token_ids)
+        req.first_token_time = h.first_token_time
+        req.exit_depth = dict(enumerate(h.exit_depths))
+        if not self.scheduler.add_receiving(self._sched_request(req), h.num_kv_tokens):
+            return None
+        self.requests[h.request_id] = req
+        # Zero fresh blocks now, before the KV read lands in them.
+        self.runner.apply_kv_moves((), self.kv_manager.pop_new_blocks(), ())
+        return self.kv_manager.block_table(h.request_id)
+
+    def kv_received(self, request_id: str) -> None:
+        self.scheduler.kv_received(request_id)
+
+    def kv_failed(self, request_id: str, reason: str) -> None:
+        """Decode role: the KV never arrived; end the request with an error, free its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        req.finish_reason = "error"
+        self._pending_outputs.append(req.take_output(error=reason))
+        self._retire(request_id)
+
+    def kv_compat(self) -> dict:
+        """What a peer engine must match to exchange KV blocks with this one."""
+        s = self.model.kv_spec
+        return {
+            "model": self.config.model, "dtype": self.config.dtype,
+            "block_size": self.layout.block_size, "num_flat_layers": s.num_flat_layers,
+            "num_looped_layers": s.num_looped_layers, "num_kv_heads": s.num_kv_heads,
+            "head_dim": s.head_dim, "max_loops": self.max_loops,
+        }
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, batch: ScheduledBatch) -> BatchResult:
+        reqs = {i.request_id: self.requests[i.request_id] for i in batch.items}
+        tables = {rid: self.kv_manager.block_table(rid) for rid in reqs}
+        op = batch.operation
+        self.counters.batches[op.value] += 1
+        if op is Operation.PRELUDE:
+            self.runner.prelude(batch, reqs, tables)
+            return BatchResult({i.request_id: ItemResult() for i in batch.items})
+        if op is Operation.RECURRENT:
+            self.counters.loops_run += sum(len(i.positions) for i in batch.items)
+            exited = self.runner.recurrent(batch, reqs, tables, self._draft_loops())
+            return BatchResult({i.request_id: ItemResult(exited=exited[i.request_id]) for i in batch.items})
+        logits = self.runner.coda(batch, reqs, tables)
+        return BatchResult({i.request_id: self._sample_item(i, reqs[i.request_id], logits[i.request_id])
+                            for i in batch.items})
+
+    def _draft_loops(self) -> int:
+        return self.config.speculative.draft_loops if self.config.speculative else 0
+
+    def _sample_item(self, item: BatchItem, req: Request, logits: torch.Tensor | None) -> ItemResult:
+        if req.finished or logits is None:  # aborted in flight, or a coda that only writes KV
+            return ItemResult(finished=req.finished)
+        if item.draft:
+            tok = int(torch.argmax(logits[0]).item())
+            req.draft_token_ids.append(tok)
+            self.counters.spec_drafted += 1
+            return ItemResult(sampled=(tok,))
+        if item.verify:
+            return self._accept(item, req, logits)
+        pos = item.logits_positions[0]
+        s = sample_rows(logits, [req.params], [req.seed], [len(req.output_token_ids)])[0]
+        req.append(s, pos)
+        self.counters.tokens_generated += 1
+        return ItemResult(sampled=(s.token_id,), finished=req.finished)
+
+    def _accept(self, item: BatchItem, req: Request, logits: torch.Tensor) -> ItemResult:
+        """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with."""
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        emitted: list[int] = []
+        for j, g in enumerate(greedy):
+            req.append(Sample(g), item.logits_positions[j])
+            emitted.append(g)
+            self.counters.tokens_generated += 1
+            if req.finished or j + 1 >= len(greedy) or drafts[j] != g:
+                break
+            self.counters.spec_accepted += 1
+        return ItemResult(sampled=tuple(emitted), finished=req.finished)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        u = self.kv_manager.usage()
+        return {
+            "kv": {"looped": u.looped.__dict__, "flat": u.flat.__dict__},
+            "scheduler": self.scheduler.stats(),
+            "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
+        }
+
+    def check_no_leaks(self) -> None:
+        """Pool accounting, and (when idle) every block back in the free lists."""
+        self.kv_manager.check()
+        if not self.has_unfinished():
+            u = self.kv_manager.usage()
+            if u.used_blocks:
+                raise AssertionError(f"idle engine still holds KV blocks: {u}")
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

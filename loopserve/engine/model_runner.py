@@ -1,0 +1,160 @@
+"""ModelRunner: turns a ScheduledBatch into a flat ModelBatch, runs one Operation, keeps state.
+
+It owns the paged KV tensors and the carried loop state of rows between Operations; it
+applies the exit rule after each loop and the last-exited copies of exited rows' K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loopserve.engine.request import Request
+from loopserve.engine.state_store import StateStore
+from loopserve.kv_cache import BlockTable, KVLayout
+from loopserve.model.batch import LoopState, ModelBatch, build_attn_metadata
+from loopserve.model.exit_rule import exit_mask
+from loopserve.model.paged_kv import PagedKVCache
+from loopserve.scheduler import BatchItem, Operation, ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.layout = layout
+        self.device = device
+        self.kv = PagedKVCache(model.kv_spec, layout.block_size, layout.num_blocks,
+                               layout.num_flat_blocks, dtype, device)
+        self.states = StateStore(model.state_dim, dtype, device)
+        self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    # ------------------------------------------------------------------ KV housekeeping
+    def apply_kv_moves(self, swap_out: tuple, new_blocks: tuple[list[int], list[int]],
+                       swap_in: tuple) -> None:
+        """Offload victims, zero fresh blocks (no stale data is ever readable), restore resumed."""
+        for rid, table in swap_out:
+            self._host[rid] = self._gather(table)
+        looped, flat = new_blocks
+        if looped:
+            self.kv.zero_blocks("looped", looped)
+        if flat:
+            self.kv.zero_blocks("flat", flat)
+        for rid, table in swap_in:
+            looped_data, flat_data = self._host.pop(rid)
+            self.kv.scatter_blocks("looped", [b for p in table.depth for b in p], looped_data)
+            if flat_data is not None:
+                self.kv.scatter_blocks("flat", table.flat, flat_data)
+
+    def _gather(self, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor | None]:
+        looped = self.kv.gather_blocks("looped", [b for p in table.depth for b in p])
+        flat = self.kv.gather_blocks("flat", table.flat) if table.flat else None
+        return looped, flat
+
+    def drop(self, request_id: str) -> None:
+        self.states.drop(request_id)
+        self._host.pop(request_id, None)
+
+    # ------------------------------------------------------------------ batch building
+    def _batch(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
+               with_tokens: bool = False) -> ModelBatch:
+        op = batch.operation
+        rows_seg, rows_pos, seg_blocks, depths = [], [], [], []
+        for s, item in enumerate(batch.items):
+            t = tables[item.request_id]
+            seg_blocks.append(t.depth[item.depth - 1] if op is Operation.RECURRENT else t.flat)
+            rows_seg += [s] * len(item.positions)
+            rows_pos += item.positions
+            depths += [item.depth] * len(item.positions)
+        attn = build_attn_metadata(rows_seg, rows_pos, seg_blocks, self.layout.block_size, self.device)
+        dev = self.device
+        token_ids = seeds = logits_indices = None
+        if with_tokens:
+            token_ids = torch.tensor(
+                [reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions], device=dev)
+            seeds = torch.tensor([reqs[i.request_id].seed for i in batch.items for _ in i.positions],
+                                 dtype=torch.int64, device=dev)
+        if op is Operation.CODA:
+            idx, row = [], 0
+            for item in batch.items:
+                want = set(item.logits_positions)
+                idx += [row + j for j, p in enumerate(item.positions) if p in want]
+                row += len(item.positions)
+            logits_indices = torch.tensor(idx, dtype=torch.long, device=dev)
+        return ModelBatch(
+            operation=op,
+            positions=torch.tensor(rows_pos, dtype=torch.long, device=dev),
+            depths=torch.tensor(depths, dtype=torch.long, device=dev),
+            token_ids=token_ids,
+            seeds=seeds,
+            logits_indices=logits_indices,
+            attn=attn,
+        )
+
+    def _gather_state(self, batch: ScheduledBatch) -> LoopState:
+        parts = [self.states.get(i.request_id, list(i.positions)) for i in batch.items]
+        return LoopState(torch.cat([h for h, _ in parts]), torch.cat([a for _, a in parts]))
+
+    def _scatter_state(self, batch: ScheduledBatch, state: LoopState) -> None:
+        row = 0
+        for item in batch.items:
+            n = len(item.positions)
+            self.states.put(item.request_id, list(item.positions),
+                            state.hidden[row:row + n], state.aux[row:row + n])
+            row += n
+
+    # ------------------------------------------------------------------ operations
+    @torch.inference_mode()
+    def prelude(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable]) -> None:
+        mb = self._batch(batch, reqs, tables, with_tokens=True)
+        self._scatter_state(batch, self.model.prelude(mb, self.kv))
+
+    @torch.inference_mode()
+    def recurrent(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
+                  draft_loops: int) -> dict[str, tuple[int, ...]]:
+        """One loop for every row; returns, per request, the positions that made their final exit."""
+        mb = self._batch(batch, reqs, tables)
+        state, score = self.model.recurrent(mb, self._gather_state(batch), self.kv)
+        self._scatter_state(batch, state)
+        lo, hi, thr = [], [], []
+        for item in batch.items:
+            p = reqs[item.request_id].params
+            n = len(item.positions)
+            lo += [p.min_loops] * n
+            hi += [p.max_loops] * n
+            thr += [p.exit_threshold] * n
+        dev = self.device
+        exits = exit_mask(mb.depths, score, torch.tensor(lo, device=dev), torch.tensor(hi, device=dev),
+                          torch.tensor(thr, device=dev)).tolist()
+        exited: dict[str, tuple[int, ...]] = {}
+        src, dst, row = [], [], 0
+        bs = self.layout.block_size
+        for item in batch.items:
+            req, table = reqs[item.request_id], tables[item.request_id]
+            mine = [p for j, p in enumerate(item.positions) if exits[row + j]]
+            row += len(item.positions)
+            exited[item.request_id] = tuple(mine)
+            for p in mine:
+                req.exit_depth[p] = item.depth
+                here = table.depth[item.depth - 1][p // bs] * bs + p % bs
+                for plane in table.depth[item.depth:]:  # last-exited rule: fill every deeper plane
+                    src.append(here)
+                    dst.append(plane[p // bs] * bs + p % bs)
+        if src:
+            self.kv.copy_slots_looped(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        return exited
+
+    @torch.inference_mode()
+    def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],
+             tables: dict[str, BlockTable]) -> dict[str, torch.Tensor | None]:
+        """Coda for every row (writes coda KV); logits of each item's logits_positions."""
+        mb = self._batch(batch, reqs, tables)
+        logits = self.model.coda(mb, self._gather_state(batch), self.kv)
+        out: dict[str, torch.Tensor | None] = {}
+        row = 0
+        for item in batch.items:
+            n = len(item.logits_positions)
+            out[item.request_id] = logits[row:row + n] if n else None
+            row += n
+            if not item.draft:  # a draft round keeps its shallow rows for the verify loops
+                self.states.drop(item.request_id)
+        return out

@@ -1,0 +1,109 @@
+"""Engine-side request: token ids, outputs, stop handling (the scheduler sees only lengths)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.sampler import Sample
+from loopserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # loop fields resolved
+    seed: int
+    detok: object  # an incremental detokenizer (tokenizer.py)
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculation round in progress
+    exit_depth: dict[int, int] = field(default_factory=dict)  # position -> depth it exited at
+    text: str = ""
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    # Not yet streamed:
+    _new_tokens: list[int] = field(default_factory=list)
+    _new_depths: list[int] = field(default_factory=list)
+    _new_times: list[float] = field(default_factory=list)
+    _new_logprobs: list[float] = field(default_factory=list)
+    _new_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    _streamed_chars: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    def token_at(self, position: int) -> int:
+        """The input token at `position` (prompt, output, or a speculative draft)."""
+        if position < self.prompt_len:
+            return self.prompt_token_ids[position]
+        i = position - self.prompt_len
+        if i < len(self.output_token_ids):
+            return self.output_token_ids[i]
+        return self.draft_token_ids[i - len(self.output_token_ids)]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, sample: Sample, producing_position: int) -> None:
+        """Add one generated token; sets finish_reason on a stop condition."""
+        now = time.time()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(sample.token_id)
+        self._new_tokens.append(sample.token_id)
+        self._new_depths.append(self.exit_depth.get(producing_position, 0))
+        self._new_times.append(now)
+        if sample.logprob is not None:
+            self._new_logprobs.append(sample.logprob)
+            self._new_top.append(sample.top_logprobs)
+        old_len = len(self.text)
+        self.text += self.detok.add(sample.token_id)
+        p = self.params
+        if sample.token_id in p.stop_token_ids or (
+            not p.ignore_eos and self.eos_token_id is not None and sample.token_id == self.eos_token_id
+        ):
+            self.finish_reason = "stop"
+        elif p.stop:
+            start = max(0, old_len - max(map(len, p.stop)) + 1)
+            hits = [i for s in p.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]  # the reply is cut before the stop string
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.output_token_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+
+    def take_output(self, error: str | None = None) -> RequestOutput:
+        """The news since the last call (tokens, text, depths, timings) as one RequestOutput."""
+        # While a stop string could still match across the next token, hold its length back.
+        hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
+        upto = max(self._streamed_chars, len(self.text) - hold)
+        delta, self._streamed_chars = self.text[self._streamed_chars : upto], upto
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tuple(self._new_tokens),
+            text_delta=delta,
+            exit_depths=tuple(self._new_depths),
+            logprobs=tuple(self._new_logprobs) if self.params.logprobs is not None else None,
+            top_logprobs=tuple(self._new_top) if self.params.logprobs else None,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=error,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            token_times=tuple(self._new_times),
+            num_prompt_tokens=self.prompt_len,
+            num_output_tokens=len(self.output_token_ids),
+        )
+        self._new_tokens, self._new_depths, self._new_times = [], [], []
+        self._new_logprobs, self._new_top = [], []
+        return out

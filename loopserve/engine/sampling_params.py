@@ -1,0 +1,81 @@
+"""Per-request generation parameters, validated up front so bad input never reaches a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # reproducible per request, independent of batch composition
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the reply is cut before the match
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: sampled token's logprob plus the top n
+    # Loop parameters; None takes the model's defaults.
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    priority: int = 0  # lower = more important
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.min_loops is not None and self.min_loops < 1:
+            raise ValueError(f"min_loops must be >= 1, got {self.min_loops}")
+        if self.max_loops is not None and self.max_loops < 1:
+            raise ValueError(f"max_loops must be >= 1, got {self.max_loops}")
+        if (
+            self.min_loops is not None
+            and self.max_loops is not None
+            and self.min_loops > self.max_loops
+        ):
+            raise ValueError(
+                f"min_loops ({self.min_loops}) must be <= max_loops ({self.max_loops})"
+            )
+        if self.exit_threshold is not None and not (0.0 <= self.exit_threshold <= 1.0):
+            raise ValueError(f"exit_threshold must be in [0, 1], got {self.exit_threshold}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def resolve_loops(self, default_min: int, default_max: int, default_threshold: float,
+                      model_max: int) -> SamplingParams:
+        """Fill unset loop fields from the model and check them against its bounds."""
+        lo = self.min_loops if self.min_loops is not None else min(default_min, self.max_loops or default_min)
+        hi = self.max_loops if self.max_loops is not None else max(default_max, lo)
+        if hi > model_max:
+            raise ValueError(f"max_loops must be <= {model_max} for this model, got {hi}")
+        if lo > hi:
+            raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")
+        thr = self.exit_threshold if self.exit_threshold is not None else default_threshold
+        return replace(self, min_loops=lo, max_loops=hi, exit_threshold=thr)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        return cls(**d)
+
+
+__all__ = ["SamplingParams"]
