@@ -1,0 +1,27 @@
+"""The attention backend interface (see docs/design.md for the semantics)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from loopserve.model.batch import AttnMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """Write k, v at meta.slot_mapping into `cache`, then attend.
+
+        q [T, Hq, D]; k, v [T, Hkv, D]; cache [num_blocks, 2, block_size, Hkv, D] (a strided view);
+        a row at position p attends to positions max(0, p - window + 1)..p of its plane.
+        """
+        ...
+
+
+def write_kv(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+    bs = meta.block_size
+    blk, off = meta.slot_mapping // bs, meta.slot_mapping % bs
+    cache[blk, 0, off] = k.to(cache.dtype)
+    cache[blk, 1, off] = v.to(cache.dtype)

@@ -1,0 +1,86 @@
+"""The flat token batch every Operation takes, and the loop state carried between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.scheduler.types import Operation
+
+
+@dataclass
+class AttnMetadata:
+    """Rows grouped in segments: one request's rows on one KV plane, ascending positions."""
+
+    seg_starts: torch.Tensor  # [S+1] int64 row offsets
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [S] int32: max position in the segment + 1
+    slot_mapping: torch.Tensor  # [T] int64: where each row's K/V is written
+    positions: torch.Tensor  # [T] int64
+    block_size: int
+    max_context_len: int
+    seg_bounds: list[tuple[int, int]]  # host copy of seg_starts as (start, end) pairs
+    seg_num_blocks: list[int]  # host copy: blocks each segment's context spans
+
+
+@dataclass
+class ModelBatch:
+    operation: Operation
+    positions: torch.Tensor  # [T]
+    depths: torch.Tensor  # [T] loop being run (RECURRENT), else 0
+    attn: AttnMetadata
+    token_ids: torch.Tensor | None = None  # [T] (PRELUDE)
+    seeds: torch.Tensor | None = None  # [T] int64 per-row request seed (Huginn initial state)
+    logits_indices: torch.Tensor | None = None  # [n] rows whose logits CODA returns
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class LoopState:
+    """Carried per row: Huginn (state ‖ injection) or Ouro hidden; `aux` = Ouro's Π(1-σ)."""
+
+    hidden: torch.Tensor  # [T, S]
+    aux: torch.Tensor  # [T] fp32
+
+
+def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: list[list[int]],
+                        block_size: int, device: torch.device) -> AttnMetadata:
+    """Attention metadata from per-row (segment, position) and each segment's block ids.
+
+    Rows of one segment must be consecutive in the batch. An empty block list means the
+    plane does not exist for this Operation (e.g. Ouro's embedding-only PRELUDE): no slots.
+    """
+    num_segs = len(seg_blocks)
+    starts = [0] * (num_segs + 1)
+    ctx = [0] * num_segs
+    for s, p in zip(rows_seg, rows_pos):
+        starts[s + 1] += 1
+        ctx[s] = max(ctx[s], p + 1)
+    for s in range(num_segs):
+        starts[s + 1] += starts[s]
+    nblk = [-(-c // block_size) if blocks else 0 for c, blocks in zip(ctx, seg_blocks)]
+    for s, (need, have) in enumerate(zip(nblk, seg_blocks)):
+        if have and need > len(have):
+            raise ValueError(f"segment {s}: context {ctx[s]} needs {need} blocks, table has {len(have)}")
+    width = max(nblk, default=0) or 1
+    table = torch.zeros(num_segs, width, dtype=torch.int32)
+    for s, blocks in enumerate(seg_blocks):
+        if nblk[s]:
+            table[s, : nblk[s]] = torch.tensor(blocks[: nblk[s]], dtype=torch.int32)
+    slots = [seg_blocks[s][p // block_size] * block_size + p % block_size if seg_blocks[s] else -1
+             for s, p in zip(rows_seg, rows_pos)]
+    return AttnMetadata(
+        seg_starts=torch.tensor(starts, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(rows_pos, dtype=torch.int64, device=device),
+        block_size=block_size,
+        max_context_len=max(ctx, default=0),
+        seg_bounds=list(zip(starts[:-1], starts[1:])),
+        seg_num_blocks=nblk,
+    )

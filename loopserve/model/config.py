@@ -1,0 +1,177 @@
+"""Model configs with the public checkpoints' field names, validated on load.
+
+Huginn-style configs use huginn-0125's `config.json` names (`RavenForCausalLM`), Ouro-style
+configs Ouro-1.4B's (`OuroForCausalLM`). Hugging Face config.json files carry many more keys
+than we use; those are ignored, but every field we use is checked (name, value, range).
+loopserve adds three optional loop defaults: `min_loops`, `max_loops`, `exit_threshold`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+    architectures: list[str]
+    min_loops: PosInt = 1
+    exit_threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+
+
+class HuginnConfig(_Base):
+    n_embd: PosInt
+    num_attention_heads: PosInt = Field(validation_alias=AliasChoices("num_attention_heads", "n_heads"))
+    num_key_value_heads: PosInt | None = None
+    intermediate_size: PosInt
+    vocab_size: PosInt
+    padded_vocab_size: PosInt | None = None
+    n_layers_in_prelude: NonNegInt
+    n_layers_in_recurrent_block: PosInt
+    n_layers_in_coda: NonNegInt
+    mean_recurrence: PosInt
+    max_loops: PosInt | None = None
+    qk_bias: bool = False
+    tie_embeddings: bool = True
+    rope_base: Annotated[float, Field(gt=0)] = 50000.0
+    block_size: PosInt = 4096  # max positions
+    norm_eps: Annotated[float, Field(gt=0)] = 1e-6
+    bias: bool = False
+    init_values: dict[str, float] = Field(default_factory=lambda: {"std": 0.02, "embed_scale": 1.0})
+    state_init: Literal["like-init", "zero"] = "like-init"
+
+    @model_validator(mode="after")
+    def _check(self) -> HuginnConfig:
+        if self.n_embd % self.num_attention_heads:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+        if self.qk_bias and self.kv_heads != self.num_attention_heads:
+            raise ValueError("qk_bias requires num_key_value_heads == num_attention_heads")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size ({self.vocab_size})"
+            )
+        if self.max_loops is not None and self.max_loops < self.min_loops:
+            raise ValueError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.num_attention_heads
+
+    @property
+    def vocab(self) -> int:
+        return self.padded_vocab_size or self.vocab_size
+
+    @property
+    def loop_max(self) -> int:
+        return self.max_loops or self.mean_recurrence
+
+
+class OuroConfig(_Base):
+    hidden_size: PosInt
+    num_hidden_layers: PosInt
+    num_attention_heads: PosInt
+    num_key_value_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    intermediate_size: PosInt
+    vocab_size: PosInt
+    max_position_embeddings: PosInt = 65536
+    rope_theta: Annotated[float, Field(gt=0)] = 1_000_000.0
+    rms_norm_eps: Annotated[float, Field(gt=0)] = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: Literal["silu"] = "silu"
+    total_ut_steps: PosInt = 4
+    early_exit_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    max_loops: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> OuroConfig:
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) when head_dim is not given"
+            )
+        if self.max_loops is not None and self.max_loops < self.min_loops:
+            raise ValueError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def loop_max(self) -> int:
+        return self.max_loops or self.total_ut_steps
+
+
+CONFIG_CLASSES: dict[str, type[_Base]] = {
+    "RavenForCausalLM": HuginnConfig,
+    "OuroForCausalLM": OuroConfig,
+}
+
+
+def register_config(architecture: str, cls: type[_Base]) -> None:
+    CONFIG_CLASSES[architecture] = cls
+
+
+def parse_config(data: dict, source: str = "config") -> _Base:
+    """Validate a config dict; errors name the field, the value and the rule."""
+    archs = data.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise ValueError(f"{source}: 'architectures' must be a non-empty list, got {archs!r}")
+    cls = CONFIG_CLASSES.get(archs[0])
+    if cls is None:
+        raise ValueError(
+            f"{source}: unsupported architecture {archs[0]!r}; supported: {sorted(CONFIG_CLASSES)}"
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "config"
+            value = data.get(err["loc"][0]) if err["loc"] else None
+            parts.append(f"{field}={value!r}: {err['msg']}")
+        raise ValueError(f"{source}: invalid {cls.__name__}: " + "; ".join(parts)) from None
+
+
+def load_model_config(name_or_dir: str | Path) -> _Base:
+    """A name resolves to configs/models/<name>.json; a directory to its config.json."""
+    p = Path(name_or_dir)
+    if p.is_dir():
+        path = p / "config.json"
+    elif p.suffix == ".json" and p.exists():
+        path = p
+    else:
+        path = CONFIG_DIR / f"{name_or_dir}.json"
+        if not path.exists():
+            known = sorted(q.stem for q in CONFIG_DIR.glob("*.json"))
+            raise ValueError(f"model {str(name_or_dir)!r} is neither a directory nor one of {known}")
+    return parse_config(json.loads(path.read_text()), str(path))

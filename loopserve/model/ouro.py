@@ -1,0 +1,108 @@
+"""Ouro-style looped model (`OuroForCausalLM` key names).
+
+PRELUDE = embedding; RECURRENT = every layer (the depth's KV plane) → shared norm → exit
+gate, score 1 − Π(1 − σ(gate)); CODA = lm_head on the exit loop's normed hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loopserve.model.base import LoopedModel, LoopParams
+from loopserve.model.batch import LoopState, ModelBatch
+from loopserve.model.config import OuroConfig
+from loopserve.model.layers import Attend, RMSNorm, Rope, swiglu
+from loopserve.model.paged_kv import KVSpec, PagedKVCache
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.h, self.hkv, self.hd = cfg.num_attention_heads, cfg.kv_heads, cfg.hd
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+        t = x.shape[0]
+        q = rope(self.q_proj(x).view(t, self.h, self.hd), positions)
+        k = rope(self.k_proj(x).view(t, self.hkv, self.hd), positions)
+        v = self.v_proj(x).view(t, self.hkv, self.hd)
+        return self.o_proj(attend(q, k, v).reshape(t, -1))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn, self.mlp = OuroAttention(cfg), OuroMLP(cfg)
+        self.input_layernorm, self.input_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.post_attention_layernorm, self.post_attention_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), positions, rope, attend))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class _OuroBody(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)
+
+
+class OuroModel(LoopedModel):
+    coda_writes_kv = False
+
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _OuroBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = Rope(cfg.hd, cfg.rope_theta, interleaved=False)
+        self.kv_spec = KVSpec(0, cfg.num_hidden_layers, cfg.kv_heads, cfg.hd)
+        self.state_dim = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.max_loops = cfg.loop_max
+        thr = cfg.early_exit_threshold if cfg.exit_threshold is None else cfg.exit_threshold
+        self.default_loop_params = LoopParams(cfg.min_loops, cfg.loop_max, thr)
+
+    def end_of_loop(self, h: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shared norm and exit gate: (normed hidden, new Π(1-σ), score = 1 - Π(1-σ))."""
+        h = self.model.norm(h)
+        lam = torch.sigmoid(self.model.early_exit_gate(h).squeeze(-1).float())
+        remaining = remaining * (1.0 - lam)
+        return h, remaining, 1.0 - remaining
+
+    def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
+        h = self.model.embed_tokens(batch.token_ids)
+        return LoopState(h, torch.ones(h.shape[0], device=h.device))
+
+    def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
+        h = state.hidden
+        for j, layer in enumerate(self.model.layers):
+            h = layer(h, batch.positions, self.rope,
+                      self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
+        h, remaining, score = self.end_of_loop(h, state.aux)
+        return LoopState(h, remaining), score
+
+    def coda(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> torch.Tensor:
+        return self.lm_head(state.hidden.index_select(0, batch.logits_indices)).float()

@@ -1,0 +1,122 @@
+"""Build (random init from a seed), save and load models; safetensors with public key names."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from loopserve.model.base import LoopedModel
+from loopserve.model.config import HuginnConfig, OuroConfig, load_model_config
+from loopserve.model.huginn import HuginnModel
+from loopserve.model.ouro import OuroModel
+
+MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel}
+# Buffers public checkpoints store that we recompute.
+IGNORED_KEYS = {"freqs_cis"}
+
+
+def register_model(config_cls: type, model_cls: type[LoopedModel]) -> None:
+    MODEL_CLASSES[config_cls] = model_cls
+
+
+def _instantiate(cfg) -> LoopedModel:
+    return MODEL_CLASSES[type(cfg)](cfg)
+
+
+@torch.no_grad()
+def init_weights(model: LoopedModel, seed: int) -> None:
+    """Seeded random init that keeps activations O(1): logits well spread (argmax ties
+    improbable) and exit-gate probabilities mostly in 0.35..0.65 (mixed exit depths)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "norm_" in name or "layernorm" in name or name.endswith("ln_f.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias") or name.endswith("qk_bias"):
+            p.zero_()
+        elif "early_exit_gate" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.6 / math.sqrt(p.shape[-1])))
+        elif p.dim() == 2 and ("wte" in name or "embed_tokens" in name):
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            if name.endswith("adapter.weight"):  # Huginn: a contractive recurrence, so the
+                p[:, : p.shape[1] // 2] *= 0.2  # convergence exit fires at mixed depths
+
+
+def build_model(cfg, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                seed: int = 0) -> LoopedModel:
+    model = _instantiate(cfg)
+    init_weights(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _checkpoint_tensors(model: LoopedModel) -> dict[str, torch.Tensor]:
+    """state_dict without tied duplicates (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v
+    return out
+
+
+def save_model(model: LoopedModel, directory: str | Path) -> None:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.model_dump(exclude_none=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous().cpu() for k, v in _checkpoint_tensors(model).items()},
+              str(d / "model.safetensors"))
+
+
+def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{d}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(d / f)))
+    return tensors
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoopedModel:
+    """Load an HF-format directory; a missing, unexpected or misshapen tensor is named."""
+    d = Path(directory)
+    cfg = load_model_config(d)
+    model = _instantiate(cfg)
+    tensors = _read_tensors(d)
+    expected = _checkpoint_tensors(model)
+    for name, param in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{d}: checkpoint is missing tensor {name!r} (shape {tuple(param.shape)})")
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ValueError(
+                f"{d}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                f"the config needs {tuple(param.shape)}"
+            )
+    extra = sorted(k for k in tensors if k not in expected and k.split(".")[-1] not in IGNORED_KEYS
+                   and k not in model.state_dict())
+    if extra:
+        raise ValueError(f"{d}: checkpoint has tensors the config does not use: {extra[:5]}")
+    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def resolve_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", seed: int = 0) -> LoopedModel:
+    """A directory with safetensors loads; a config name (or a directory with only a
+    config.json) is random-initialised from `seed`."""
+    p = Path(name_or_dir)
+    if p.is_dir() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
+        return load_model(p, dtype, device)
+    return build_model(load_model_config(name_or_dir), dtype, device, seed)

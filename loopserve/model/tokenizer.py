@@ -1,0 +1,72 @@
+"""Tokenizers: the embedded byte-level default, or a `tokenizers` JSON file."""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+
+class _ByteDetokenizer:
+    """Incremental: yields text deltas, holding back an incomplete UTF-8 sequence."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self._dec.decode(bytes([token_id])) if token_id < 256 else ""
+
+
+class ByteTokenizer:
+    """ids 0..255 are bytes; then bos, eos, pad."""
+
+    bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
+    min_vocab = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> _ByteDetokenizer:
+        return _ByteDetokenizer()
+
+
+class _HFDetokenizer:
+    def __init__(self, tok) -> None:
+        self._tok, self._ids, self._text = tok, [], ""
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # incomplete multi-byte sequence: wait for more
+            return ""
+        delta, self._text = text[len(self._text):], text
+        return delta
+
+
+class HFTokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.min_vocab = self._tok.get_vocab_size()
+        self.eos_token_id = next(
+            (self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>", "<eos>")
+             if self._tok.token_to_id(t) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def detokenizer(self) -> _HFDetokenizer:
+        return _HFDetokenizer(self._tok)
+
+
+def load_tokenizer(path: str | Path | None, vocab_size: int):
+    tok = ByteTokenizer() if path is None else HFTokenizer(path)
+    if vocab_size < tok.min_vocab:
+        raise ValueError(f"model vocab_size ({vocab_size}) is smaller than the tokenizer's ({tok.min_vocab})")
+    return tok
