@@ -1,0 +1,104 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loopserve.model.config import load_model_config, parse_config
+from loopserve.model.paged_kv import PagedKVCache
+from loopserve.model.registry import load_model, resolve_model, save_model
+from loopserve.model.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize("name", ["tiny-huginn", "tiny-ouro"])
+def test_safetensors_round_trip_with_public_keys(tmp_path, name):
+    m = resolve_model(name, seed=3)
+    save_model(m, tmp_path)
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    if name == "tiny-huginn":
+        assert {"transformer.wte.weight", "transformer.adapter.weight", "transformer.ln_f.weight",
+                "transformer.core_block.0.attn.Wqkv.weight", "transformer.core_block.1.mlp.fc.weight",
+                "transformer.prelude.0.norm_4.weight", "transformer.coda.0.attn.proj.weight"} <= keys
+        assert "lm_head.weight" not in keys  # tied to wte
+    else:
+        assert {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+                "model.layers.0.input_layernorm_2.weight", "model.layers.0.post_attention_layernorm_2.weight",
+                "model.layers.1.mlp.down_proj.weight", "model.norm.weight", "model.early_exit_gate.weight",
+                "model.early_exit_gate.bias", "lm_head.weight"} <= keys
+    back = load_model(tmp_path)
+    for (k, a), (_, b) in zip(m.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    m = resolve_model("tiny-ouro", seed=1)
+    save_model(m, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({k: tensors[k] for k in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    wm = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, k in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    back = load_model(tmp_path)
+    assert torch.equal(back.lm_head.weight, m.lm_head.weight)
+
+
+def test_bad_checkpoint_names_the_tensor(tmp_path):
+    m = resolve_model("tiny-ouro")
+    save_model(m, tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(3, 3\)"):
+        load_model(tmp_path)
+    del t["model.layers.0.mlp.up_proj.weight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.0.mlp.up_proj.weight'"):
+        load_model(tmp_path)
+
+
+def test_config_errors_name_field_value_and_range():
+    base = json.loads((load_model_config.__globals__["CONFIG_DIR"] / "tiny-ouro.json").read_text())
+    with pytest.raises(ValueError, match=r"hidden_size=0.*greater than or equal to 1"):
+        parse_config({**base, "hidden_size": 0})
+    with pytest.raises(ValueError, match="intermediate_size"):
+        parse_config({k: v for k, v in base.items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*OuroForCausalLM"):
+        parse_config({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="early_exit_threshold"):
+        parse_config({**base, "early_exit_threshold": 1.5})
+    with pytest.raises(ValueError, match="neither a directory nor one of"):
+        load_model_config("no-such-model")
+
+
+def test_public_shapes_parse():
+    h = load_model_config("huginn-0125-shape")
+    assert (h.head_dim, h.kv_heads, h.loop_max) == (96, 55, 32)
+    o = load_model_config("ouro-1.4b-shape")
+    assert (o.hd, o.loop_max, o.early_exit_threshold) == (128, 4, 1.0)
+
+
+def test_released_blocks_expose_no_old_data():
+    m = resolve_model("tiny-huginn")
+    kv = PagedKVCache(m.kv_spec, 4, 8, 4, torch.float32, torch.device("cpu"))
+    kv.looped.fill_(7.0)
+    kv.flat.fill_(7.0)
+    kv.zero_blocks("looped", [1, 3])
+    kv.zero_blocks("flat", [2])
+    assert kv.looped[[1, 3]].abs().sum() == 0 and kv.looped[0].abs().sum() > 0
+    assert kv.flat[2].abs().sum() == 0
+
+
+def test_byte_tokenizer_round_trip_and_incremental_utf8():
+    tok = ByteTokenizer()
+    text = "héllo wörld — ✓ 你好"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    detok = tok.detokenizer()
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert "" in pieces  # a multi-byte character was held back until complete
+    assert detok.add(tok.eos_token_id) == ""
