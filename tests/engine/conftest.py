@@ -57,11 +57,16 @@ def make_engine(name: str, **kw) -> EngineCore:
     return EngineCore(cfg, model=model_for(name))
 
 
-def run_to_completion(engine: EngineCore, max_steps: int = 100_000):
+def run_to_completion(engine: EngineCore, max_steps: int = 100_000, arrivals=(), every: int = 3):
+    """Step until drained; `arrivals` (rid, prompt, params) join one per `every` steps."""
     outs: dict[str, list[int]] = {}
     depths: dict[str, list[int]] = {}
+    arrivals = list(arrivals)
     steps = 0
-    while engine.has_unfinished():
+    while engine.has_unfinished() or arrivals:
+        if arrivals and steps % every == 0:
+            rid, prompt, params = arrivals.pop(0)
+            engine.add_request(prompt, params, request_id=rid)
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
             depths.setdefault(o.request_id, []).extend(o.exit_depths)
