@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopserve.kv_cache import BlockTable
 from loopserve.scheduler.types import Operation, WorkKey
 
 
-@dataclass(frozen=True)
-class BatchItem:
+class BatchItem(NamedTuple):  # immutable and cheap: one per request per step
     request_id: str
     work_key: WorkKey  # what this request was selected for
     positions: tuple[int, ...]
@@ -38,8 +38,7 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class ItemResult:
+class ItemResult(NamedTuple):
     exited: tuple[int, ...] = ()
     sampled: tuple[int, ...] = ()
     finished: bool = False

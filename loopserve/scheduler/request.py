@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 
 
-@dataclass(frozen=True)
-class Work:
+class Work(NamedTuple):
     """One pending work item: what the next batch holding this request will run."""
 
     key: WorkKey

@@ -442,7 +442,8 @@ class Scheduler:
                 continue
             if items and (work.key is K.PROMPT_ATOMIC) != (items[0].work_key is K.PROMPT_ATOMIC):
                 continue  # atomic prompts never share a batch with other work
-            if self.config.incremental_kv and not self._grow(req, max(work.positions) + 1):
+            need = work.positions[-1] + 1
+            if self.config.incremental_kv and need > self.kv.capacity(rid) and not self._grow(req, need):
                 continue
             work = self._pop(rid)
             req.in_flight = True
