@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.handoff import HandoffState
+from loopserve.kv_transfer.messages import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.engine.outputs import EngineCounters, RequestOutput
 from loopserve.engine.request import Request
@@ -78,7 +78,7 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         self._executor = ThreadPoolExecutor(1, "loopserve-exec") if config.async_scheduling else None
         self._inflight: tuple[ScheduledBatch, Future] | None = None
-        self._handoffs: list[HandoffState] = []
+        self._handoffs: list[HandoffMessage] = []
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -193,7 +193,7 @@ class EngineCore:
         """Prefill role: the prompt is done and its KV awaits a reader; describe the handoff."""
         for rid in request_ids:
             req = self.requests[rid]
-            self._handoffs.append(HandoffState(
+            self._handoffs.append(HandoffMessage(
                 request_id=rid,
                 prompt_token_ids=list(req.prompt_token_ids),
                 output_token_ids=list(req.output_token_ids),
@@ -204,9 +204,10 @@ class EngineCore:
                 num_kv_tokens=req.prompt_len,
                 arrival_time=req.arrival_time,
                 first_token_time=req.first_token_time,
+                compat=self.kv_compat(),
             ))
 
-    def take_handoffs(self) -> list[HandoffState]:
+    def take_handoffs(self) -> list[HandoffMessage]:
         out, self._handoffs = self._handoffs, []
         return out
 
@@ -215,7 +216,7 @@ class EngineCore:
         self.scheduler.transfer_done(request_id)
         self._retire(request_id)
 
-    def add_handoff(self, h: HandoffState) -> BlockTable | None:
+    def add_handoff(self, h: HandoffMessage) -> BlockTable | None:
         """Decode role: take over a prefilled request; returns the blocks to read KV into.
 
         None when blocks are short right now (the caller retries or routes elsewhere).
