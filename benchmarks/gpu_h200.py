@@ -1,0 +1,225 @@
+"""Single-GPU benchmarks (H200): each measures its own baseline in the same run and prints ratios.
+
+1. decode step time per token at batch 1/8/64/256 vs the weight-read bound
+   (weight bytes read per token / torch device-to-device copy bandwidth measured here);
+2. prefill of 8k tokens: achieved TFLOP/s vs torch bf16 matmul TFLOP/s measured here;
+3. continuous-depth (refill) vs fixed-cohort (no_refill) tokens/s at adaptive exit;
+4. NIXL KV READ between two processes on the one GPU vs torch D2D copy of the same bytes.
+
+Usage: python benchmarks/gpu_h200.py [--parts 1,2,3,4] [--model ouro-1.4b-shape] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.model.registry import resolve_model
+
+
+def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def baselines() -> dict:
+    n = 1 << 30  # 1 GiB per buffer (bf16 elements: 512 Mi)
+    x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x))
+    copy_gbps = 2 * n / t / 1e9  # bytes read + written
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    tm = cuda_time(lambda: a @ bm)
+    tflops = 2 * 8192**3 / tm / 1e12
+    del x, y, a, bm
+    torch.cuda.empty_cache()
+    return {"copy_GBps": copy_gbps, "matmul_TFLOPs": tflops}
+
+
+def engine(model, name: str, **kw) -> EngineCore:
+    cfg = dict(model=name, device="cuda", dtype="bfloat16", block_size=16, num_blocks=4096,
+               max_model_len=9216, max_num_seqs=256, max_num_batched_tokens=16384)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg), model=model)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode token reads: every loop re-reads the looped layers."""
+    looped = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".layers." in n or "core_block" in n)
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return looped * model.max_loops + head
+
+
+def part_decode(model, name: str, base: dict) -> dict:
+    out = {}
+    bound = weight_bytes_per_token(model) / (base["copy_GBps"] * 1e9)
+    for batch in (1, 8, 64, 256):
+        e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288)
+        rng = random.Random(0)
+        for i in range(batch):
+            e.add_request([rng.randrange(1000, 40000) for _ in range(256)],
+                          SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=1.0))
+        times: dict[str, list[float]] = {}
+        while e.has_unfinished():
+            for o in e.step():
+                times.setdefault(o.request_id, []).extend(o.token_times)
+        torch.cuda.synchronize()
+        per_tok = statistics.median((ts[-1] - ts[4]) / (len(ts) - 5) for ts in times.values())
+        out[batch] = {"step_s": per_tok, "bound_s": bound, "ratio": per_tok / bound}
+        print(f"[decode] batch {batch:3d}: {per_tok * 1e3:7.2f} ms/token-step; weight-read bound "
+              f"{bound * 1e3:.2f} ms -> {per_tok / bound:.2f}x", flush=True)
+        del e
+        torch.cuda.empty_cache()
+    return out
+
+
+def part_prefill(model, name: str, base: dict) -> dict:
+    n = 8192
+    e = engine(model, name, num_blocks=(n + 32) // 16 * 4 + 16, max_num_batched_tokens=n)
+    prompt = [random.Random(1).randrange(1000, 40000) for _ in range(n)]
+    e.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True, exit_threshold=1.0))  # warm-up
+    while e.has_unfinished():
+        e.step()
+    e.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True, exit_threshold=1.0))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while e.has_unfinished():
+        e.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    cfg = model.config
+    layer_params = sum(p.numel() for nm, p in model.named_parameters() if ".layers." in nm)
+    h = cfg.num_attention_heads * cfg.hd
+    flops = model.max_loops * (2 * layer_params * n + cfg.num_hidden_layers * 2 * n * n * h)  # causal attn
+    flops += 2 * model.lm_head.weight.numel()  # one row of logits
+    tf = flops / dt / 1e12
+    r = {"seconds": dt, "TFLOPs": tf, "matmul_TFLOPs": base["matmul_TFLOPs"], "ratio": tf / base["matmul_TFLOPs"]}
+    print(f"[prefill] 8192 tokens x {model.max_loops} loops: {dt * 1e3:.1f} ms, {tf:.0f} TFLOP/s = "
+          f"{r['ratio'] * 100:.0f}% of matmul {base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    return r
+
+
+def part_refill(model, name: str) -> dict:
+    res = {}
+    for policy in ("no_refill", "refill"):
+        e = engine(model, name, policy=policy, num_blocks=128 * 4 * 12 + 64, max_model_len=192,
+                   max_num_seqs=128)
+        rng = random.Random(2)
+        for _ in range(128):
+            e.add_request([rng.randrange(1000, 40000) for _ in range(rng.randint(32, 128))],
+                          SamplingParams(max_tokens=48, ignore_eos=True, exit_threshold=0.6))
+        torch.cuda.synchronize()
+        t0, toks = time.perf_counter(), 0
+        while e.has_unfinished():
+            toks += sum(len(o.new_token_ids) for o in e.step())
+        torch.cuda.synchronize()
+        res[policy] = toks / (time.perf_counter() - t0)
+        c = e.counters
+        print(f"[refill] {policy:9s}: {res[policy]:8.1f} tok/s  batches={c.batches} loops={c.loops_run}", flush=True)
+    res["ratio"] = res["refill"] / res["no_refill"]
+    print(f"[refill] refill / no_refill = {res['ratio']:.2f}x", flush=True)
+    return res
+
+
+def _nixl_owner(conn, shape, block_size):
+    from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+
+    pool = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    w = NixlKVWorker("gpu-prefill", {"looped": pool}, block_size, {"m": 1})
+    conn.send(w.handshake_info())
+    conn.recv()
+    w.close()
+
+
+def part_nixl(base: dict) -> dict:
+    from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+
+    # Ouro-1.4B's KV block: 24 layers x K/V x 16 tokens x 16 heads x 128 dims (bf16) = 3 MiB
+    nblk, shape = 512, (512, 24, 2, 16, 16, 128)
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_nixl_owner, args=(b, shape, 16))
+    p.start()
+    info = a.recv()
+    local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    w = NixlKVWorker("gpu-decode", {"looped": local}, 16, {"m": 1})
+    w.add_peer(info)
+    res = {}
+    for count in (1, 16, 128, 512):
+        ids = list(range(count))
+        table = {"flat": [], "depth": [ids]}
+        best = float("inf")
+        for rep in range(3):
+            t0 = time.perf_counter()
+            w.start_read(f"r{count}-{rep}", "gpu-prefill", table, table, count * 16)
+            while True:
+                done, failed = w.poll()
+                if done or failed:
+                    break
+            best = min(best, time.perf_counter() - t0)
+            assert not failed
+        nbytes = count * local[0].numel() * 2
+        src = torch.empty_like(local[:count])
+        tc = cuda_time(lambda: src.copy_(local[:count]))
+        res[count] = {"nixl_GBps": nbytes / best / 1e9, "copy_GBps": nbytes / tc / 1e9}
+        res[count]["ratio"] = res[count]["nixl_GBps"] / res[count]["copy_GBps"]
+        print(f"[nixl] {count:4d} blocks ({nbytes / 2**20:.0f} MiB): NIXL READ {res[count]['nixl_GBps']:.1f} GB/s "
+              f"vs D2D copy {res[count]['copy_GBps']:.1f} GB/s -> {res[count]['ratio']:.2f}x", flush=True)
+    a.send("stop")
+    p.join(timeout=30)
+    w.close()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="1,2,3,4")
+    ap.add_argument("--model", default="ouro-1.4b-shape")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    torch.manual_seed(0)
+    base = baselines()
+    print(f"[baseline] D2D copy {base['copy_GBps']:.0f} GB/s (read+write); bf16 matmul "
+          f"{base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    results = {"baseline": base, "command": "python " + " ".join(sys.argv)}
+    model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0) if parts & {"1", "2", "3"} else None
+    for key, fn in (("1", lambda: part_decode(model, args.model, base)),
+                    ("2", lambda: part_prefill(model, args.model, base)),
+                    ("3", lambda: part_refill(model, args.model)),
+                    ("4", lambda: part_nixl(base))):
+        if key in parts:
+            try:
+                results[key] = fn()
+            except Exception as e:  # noqa: BLE001 - report and go on to the next part
+                traceback.print_exc()
+                results[key] = {"error": repr(e)}
+    print("command: " + results["command"])
+    if args.out:
+        with open(f"{args.out}/gpu_h200.json", "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
