@@ -192,6 +192,28 @@ def part_nixl(base: dict) -> dict:
     return res
 
 
+def part_profile(model, name: str) -> dict:
+    """Where a batch-1 decode step's host time goes (cProfile of 60 engine steps)."""
+    import cProfile
+    import io
+    import pstats
+
+    e = engine(model, name, num_blocks=4 * 18 + 64, max_model_len=288)
+    e.add_request(list(range(1000, 1256)), SamplingParams(max_tokens=40, ignore_eos=True, exit_threshold=1.0))
+    for _ in range(30):
+        e.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(60):
+        e.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue()[:6000], flush=True)
+    return {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="1,2,3,4")
@@ -204,11 +226,12 @@ def main() -> None:
     print(f"[baseline] D2D copy {base['copy_GBps']:.0f} GB/s (read+write); bf16 matmul "
           f"{base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = {"baseline": base, "command": "python " + " ".join(sys.argv)}
-    model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0) if parts & {"1", "2", "3"} else None
+    model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0) if parts & {"1", "2", "3", "p"} else None
     for key, fn in (("1", lambda: part_decode(model, args.model, base)),
                     ("2", lambda: part_prefill(model, args.model, base)),
                     ("3", lambda: part_refill(model, args.model)),
-                    ("4", lambda: part_nixl(base))):
+                    ("4", lambda: part_nixl(base)),
+                    ("p", lambda: part_profile(model, args.model))):
         if key in parts:
             try:
                 results[key] = fn()

@@ -28,16 +28,16 @@ class NixlUnavailableError(RuntimeError):
 
 
 def _import_nixl():
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
+    """NIXL's Python API from whichever wheel is installed (nixl meta, nixl-cu13, nixl-cu12)."""
+    import importlib
+
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError as e:
-            raise NixlUnavailableError(
-                "NIXL is not installed (pip install nixl); PD KV transfer cannot start"
-            ) from e
-    return nixl_agent, nixl_agent_config
+            api = importlib.import_module(mod)
+        except ImportError:
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise NixlUnavailableError("NIXL is not installed (pip install nixl); PD KV transfer cannot start")
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:

@@ -37,13 +37,14 @@ class _FrozenKV:
 
 def _loop(model: LoopedModel, n: int, step, min_loops: int, max_loops: int, threshold: float):
     """Run loops 1..max_loops; `step(d, active, frozen)` -> (scores [n], commit(mask))."""
-    active = torch.ones(n, dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
+    dev = next(model.parameters()).device
+    active = torch.ones(n, dtype=torch.bool, device=dev)
+    depth = torch.zeros(n, dtype=torch.long, device=dev)
     frozen = _FrozenKV()
     for d in range(1, max_loops + 1):
         scores, commit = step(d, active, frozen)
         commit(active)
-        full = lambda x: torch.full((n,), x)  # noqa: E731
+        full = lambda x: torch.full((n,), x, device=dev)  # noqa: E731
         exits = active & exit_mask(full(d), scores, full(min_loops), full(max_loops), full(float(threshold)))
         depth[exits] = d
         active = active & ~exits
