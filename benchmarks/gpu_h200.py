@@ -198,7 +198,7 @@ def part_profile(model, name: str) -> dict:
     import io
     import pstats
 
-    e = engine(model, name, num_blocks=4 * 18 + 64, max_model_len=288)
+    e = engine(model, name, num_blocks=4 * 20 + 64, max_model_len=320)
     e.add_request(list(range(1000, 1256)), SamplingParams(max_tokens=40, ignore_eos=True, exit_threshold=1.0))
     for _ in range(30):
         e.step()
