@@ -47,6 +47,9 @@ class EngineCore:
             config.model, dtype=dtype, device=self.device, seed=config.seed
         )
         self.tokenizer = load_tokenizer(config.tokenizer, vocab_size=self.model.vocab_size)
+        if getattr(self.model, "last_loop_kv", False) and config.split_prefill:
+            raise ValueError("split_prefill is not supported for a model whose loops share one KV "
+                             "plane (recurrent_kv_cache_mode='last_loop'): prompts must run whole")
         spec = self.model.kv_spec
         self.max_loops = self.model.max_loops
         has_flat = spec.num_flat_layers > 0
@@ -105,8 +108,9 @@ class EngineCore:
             )
         d = self.model.default_loop_params
         params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.max_loops)
-        if not self.kv_manager.can_ever_fit(len(ids) + params.max_tokens, params.max_loops):
-            need = self.kv_manager.blocks_needed(len(ids) + params.max_tokens, params.max_loops)
+        planes = self.model.kv_planes(params.max_loops)
+        if not self.kv_manager.can_ever_fit(len(ids) + params.max_tokens, planes):
+            need = self.kv_manager.blocks_needed(len(ids) + params.max_tokens, planes)
             raise ValueError(
                 f"request needs {need[0]} KV blocks ({len(ids)} + {params.max_tokens} tokens x "
                 f"{params.max_loops} loops), more than num_blocks ({self.layout.num_blocks})"
@@ -127,6 +131,7 @@ class EngineCore:
             request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=p.max_tokens,
             min_loops=p.min_loops, max_loops=p.max_loops, priority=p.priority,
             arrival_time=req.arrival_time, greedy=p.greedy,
+            num_planes=self.model.kv_planes(p.max_loops),
         )
 
     def abort(self, request_id: str) -> None:

@@ -61,7 +61,8 @@ class ModelRunner:
         rows_seg, rows_pos, seg_blocks, depths = [], [], [], []
         for s, item in enumerate(batch.items):
             t = tables[item.request_id]
-            seg_blocks.append(t.depth[item.depth - 1] if op is Operation.RECURRENT else t.flat)
+            seg_blocks.append(t.depth[self.model.plane_of_depth(item.depth) - 1]
+                              if op is Operation.RECURRENT else t.flat)
             rows_seg += [s] * len(item.positions)
             rows_pos += item.positions
             depths += [item.depth] * len(item.positions)
@@ -135,8 +136,9 @@ class ModelRunner:
             exited[item.request_id] = tuple(mine)
             for p in mine:
                 req.exit_depth[p] = item.depth
-                here = table.depth[item.depth - 1][p // bs] * bs + p % bs
-                for plane in table.depth[item.depth:]:  # last-exited rule: fill every deeper plane
+                k = self.model.plane_of_depth(item.depth)
+                here = table.depth[k - 1][p // bs] * bs + p % bs
+                for plane in table.depth[k:]:  # last-exited rule: fill every deeper plane
                     src.append(here)
                     dst.append(plane[p // bs] * bs + p % bs)
         if src:

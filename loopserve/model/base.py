@@ -36,6 +36,14 @@ class LoopedModel(nn.Module):
         super().__init__()
         self._backend = None
 
+    def kv_planes(self, max_loops: int) -> int:
+        """Looped-layer KV planes a request with `max_loops` needs (one per depth by default)."""
+        return max_loops
+
+    def plane_of_depth(self, depth: int) -> int:
+        """The 1-based plane loop `depth` reads and writes."""
+        return depth
+
     def paged_attend(self, batch: ModelBatch, kv: PagedKVCache, kind: str, layer: int,
                      scale: float, window: int | None = None) -> Attend:
         """An `attend` that writes this layer's K/V into the paged cache and reads it back."""

@@ -1,7 +1,8 @@
 """Model configs with the public checkpoints' field names, validated on load.
 
 Huginn-style configs use huginn-0125's `config.json` names (`RavenForCausalLM`), Ouro-style
-configs Ouro-1.4B's (`OuroForCausalLM`). Hugging Face config.json files carry many more keys
+configs Ouro-1.4B's (`OuroForCausalLM`), Dory-style configs transformers'
+`DoryForCausalLM`. Hugging Face config.json files carry many more keys
 than we use; those are ignored, but every field we use is checked (name, value, range).
 loopserve adds three optional loop defaults: `min_loops`, `max_loops`, `exit_threshold`.
 """
@@ -131,9 +132,107 @@ class OuroConfig(_Base):
         return self.max_loops or self.total_ut_steps
 
 
+class DoryConfig(_Base):
+    """transformers' `DoryForCausalLM` config.json (nGPT-style looped model).
+
+    `DoryConfig.to_dict()` writes `layer_types` interleaved with "mlp" entries and the layer
+    counts doubled; that form is undone here the way `DoryConfig.__post_init__` does.
+    """
+
+    vocab_size: PosInt
+    hidden_size: PosInt
+    intermediate_size: PosInt
+    num_hidden_layers: PosInt
+    num_attention_heads: PosInt
+    num_key_value_heads: PosInt
+    head_dim: PosInt
+    hidden_act: Literal["silu"] = "silu"
+    max_position_embeddings: PosInt = 8192
+    initializer_range: Annotated[float, Field(gt=0)] = 0.0177
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, dict] = Field(default_factory=dict)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: PosInt = 1024
+    layer_types: list[Literal["full_attention", "sliding_attention"]]
+    ngpt_alpha_init: float = 0.05
+    n_input_layers: NonNegInt = 8
+    n_recurrent_layers: PosInt
+    n_output_layers: NonNegInt = 8
+    n_recurrent_loops: PosInt = 2
+    recurrent_kv_cache_mode: Literal["per_loop", "last_loop"] = "per_loop"
+    max_loops: PosInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _undouble(cls, data):
+        if not isinstance(data, dict):
+            return data
+        d = dict(data)
+        types = d.get("layer_types")
+        if isinstance(types, list) and "mlp" in types:
+            d["layer_types"] = types[::2]
+            for key in ("num_hidden_layers", "n_input_layers", "n_output_layers", "n_recurrent_layers"):
+                if isinstance(d.get(key), int):
+                    d[key] //= 2
+        n = d.get("num_hidden_layers")
+        if d.get("layer_types") is None and isinstance(n, int):
+            d["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+        if d.get("n_recurrent_layers") is None and isinstance(n, int):
+            d["n_recurrent_layers"] = n - d.get("n_input_layers", 8) - d.get("n_output_layers", 8)
+        if not d.get("rope_parameters") and isinstance(d.get("layer_types"), list):
+            thetas = {"sliding_attention": 10_000.0, "full_attention": 10_000_000.0}
+            d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": thetas[t]}
+                                    for t in set(d["layer_types"]) if t in thetas}
+        return d
+
+    @model_validator(mode="after")
+    def _check(self) -> DoryConfig:
+        if self.n_input_layers + self.n_recurrent_layers + self.n_output_layers != self.num_hidden_layers:
+            raise ValueError(
+                f"n_input_layers ({self.n_input_layers}) + n_recurrent_layers ({self.n_recurrent_layers}) + "
+                f"n_output_layers ({self.n_output_layers}) must equal num_hidden_layers ({self.num_hidden_layers})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for t in set(self.layer_types):
+            rp = self.rope_parameters.get(t)
+            if not isinstance(rp, dict) or "rope_theta" not in rp:
+                raise ValueError(f"rope_parameters[{t!r}] must give rope_theta, got {rp!r}")
+            if rp.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters[{t!r}].rope_type={rp['rope_type']!r}: only 'default' is supported")
+        if self.max_loops is not None and not self.min_loops <= self.max_loops <= self.n_recurrent_loops:
+            raise ValueError(
+                f"max_loops ({self.max_loops}) must be in min_loops ({self.min_loops})..n_recurrent_loops "
+                f"({self.n_recurrent_loops})"
+            )
+        if self.min_loops > self.n_recurrent_loops:
+            raise ValueError(f"min_loops ({self.min_loops}) must be <= n_recurrent_loops ({self.n_recurrent_loops})")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def loop_max(self) -> int:
+        return self.max_loops or self.n_recurrent_loops
+
+    def rope_theta(self, layer_type: str) -> float:
+        return float(self.rope_parameters[layer_type]["rope_theta"])
+
+
 CONFIG_CLASSES: dict[str, type[_Base]] = {
     "RavenForCausalLM": HuginnConfig,
     "OuroForCausalLM": OuroConfig,
+    "DoryForCausalLM": DoryConfig,
 }
 
 

@@ -11,6 +11,7 @@ import torch
 
 from loopserve.model.base import LoopedModel, dense_attend
 from loopserve.model.attention.torch_ref import attend
+from loopserve.model.dory import DoryModel, l2norm
 from loopserve.model.exit_rule import exit_mask
 from loopserve.model.huginn import HuginnModel
 from loopserve.model.ouro import OuroModel
@@ -53,14 +54,68 @@ def _loop(model: LoopedModel, n: int, step, min_loops: int, max_loops: int, thre
     return depth
 
 
+def _dory_forward(model: DoryModel, ids: torch.Tensor, min_loops: int, max_loops: int,
+                  exit_threshold: float, prompt_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dory: no gate (score 0), so every token runs the same loop count. per_loop: one plain
+    pass, loop d attends to loop d's K/V. last_loop (transformers' semantics): the prompt is
+    one piece, then one piece per token; loop d of a piece attends to the earlier pieces'
+    LAST-loop K/V plus its own loop-d K/V."""
+    n = ids.shape[0]
+    loops = next(d for d in range(1, max_loops + 1)
+                 if bool(exit_mask(torch.tensor([d]), torch.zeros(1), torch.tensor([min_loops]),
+                                   torch.tensor([max_loops]), torch.tensor([float(exit_threshold)]))[0]))
+    cuts = [0, n]
+    if model.last_loop_kv and prompt_len is not None and prompt_len < n:
+        cuts = [0] + list(range(max(prompt_len, 1), n + 1))
+    past: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def attend_fn(key: str, layer, pos: torch.Tensor, store: bool):
+        a = layer.self_attn
+
+        def fn(q, k, v):
+            kp, kk, vv = pos, k, v
+            if key in past:
+                p0, k0, v0 = past[key]
+                kp, kk, vv = torch.cat([p0, pos]), torch.cat([k0, k]), torch.cat([v0, v])
+            if store:
+                past[key] = (kp, kk, vv)
+            return attend(q, kk, vv, pos, kp, a.scale, a.window)
+
+        return fn
+
+    logits = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        pos = torch.arange(a, b, device=ids.device)
+        h = model.model.embed_tokens(ids[a:b])
+        for i, layer in enumerate(model.input_layers):
+            h = model.run_layer(layer, h, pos, attend_fn(f"in{i}", layer, pos, True))
+        inp = l2norm(h)
+        for d in range(1, loops + 1):
+            h = model.loop_input(h, inp)
+            for j, layer in enumerate(model.recurrent_layers):
+                key = f"rec{j}" if model.last_loop_kv else f"rec{j}@{d}"
+                store = d == loops or not model.last_loop_kv
+                h = model.run_layer(layer, h, pos, attend_fn(key, layer, pos, store))
+        for j, layer in enumerate(model.output_layers):
+            h = model.run_layer(layer, h, pos, attend_fn(f"out{j}", layer, pos, True))
+        logits.append(model.head(h))
+    return torch.cat(logits), torch.full((n,), loops, dtype=torch.long)
+
+
 @torch.inference_mode()
 def dense_forward(model: LoopedModel, token_ids: list[int], min_loops: int, max_loops: int,
-                  exit_threshold: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [N, V] (fp32) for every position and each position's exit depth [N]."""
+                  exit_threshold: float, seed: int = 0,
+                  prompt_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [N, V] (fp32) for every position and each position's exit depth [N].
+
+    `prompt_len` matters only for Dory's "last_loop" KV mode (the prompt is one piece, later
+    tokens one at a time); other families ignore it."""
     dev = next(model.parameters()).device
     ids = torch.tensor(token_ids, device=dev)
     pos = torch.arange(len(token_ids), device=dev)
     n = len(token_ids)
+    if isinstance(model, DoryModel):
+        return _dory_forward(model, ids, min_loops, max_loops, exit_threshold, prompt_len)
     if isinstance(model, HuginnModel):
         e = model.embed(ids)
         for blk in model.transformer.prelude:
@@ -116,7 +171,8 @@ def dense_greedy_generate(model: LoopedModel, prompt_ids: list[int], max_tokens:
     ids = list(prompt_ids)
     tokens, depths = [], []
     for _ in range(max_tokens):
-        logits, depth = dense_forward(model, ids, min_loops, max_loops, exit_threshold, seed)
+        logits, depth = dense_forward(model, ids, min_loops, max_loops, exit_threshold, seed,
+                                      prompt_len=len(prompt_ids))
         tok = int(torch.argmax(logits[-1]).item())
         tokens.append(tok)
         depths.append(int(depth[-1].item()))

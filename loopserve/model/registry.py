@@ -10,11 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loopserve.model.base import LoopedModel
-from loopserve.model.config import HuginnConfig, OuroConfig, load_model_config
+from loopserve.model.config import DoryConfig, HuginnConfig, OuroConfig, load_model_config
+from loopserve.model.dory import DoryModel
 from loopserve.model.huginn import HuginnModel
 from loopserve.model.ouro import OuroModel
 
-MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel}
+MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel,
+                                                 DoryConfig: DoryModel}
 # Buffers public checkpoints store that we recompute.
 IGNORED_KEYS = {"freqs_cis"}
 
@@ -33,6 +35,8 @@ def init_weights(model: LoopedModel, seed: int) -> None:
     improbable) and exit-gate probabilities mostly in 0.35..0.65 (mixed exit depths)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
+        if isinstance(model, DoryModel) and _init_dory_scale(model, name, p, gen):
+            continue
         if name.endswith("norm.weight") or "norm_" in name or "layernorm" in name or name.endswith("ln_f.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias") or name.endswith("qk_bias"):
@@ -45,6 +49,24 @@ def init_weights(model: LoopedModel, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             if name.endswith("adapter.weight"):  # Huginn: a contractive recurrence, so the
                 p[:, : p.shape[1] // 2] *= 0.2  # convergence exit fires at mixed depths
+
+
+def _init_dory_scale(model: DoryModel, name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Dory's learned scales (stored as multiples of initializer_range): near their HF
+    init, with jitter, nGPT rates ~0.1..0.3 so every layer moves the state, logits O(1)."""
+    ir, leaf = model.config.initializer_range, name.rsplit(".", 1)[-1]
+    jitter = lambda lo, hi: lo + (hi - lo) * torch.rand(p.shape, generator=gen)  # noqa: E731
+    if leaf in ("sqk", "s_gate"):
+        p.copy_(ir * jitter(0.8, 1.2))
+    elif leaf in ("lambda_1", "lambda_2"):
+        p.copy_(ir / model.config.ngpt_alpha_init * jitter(0.1, 0.3))
+    elif leaf in ("suv_gate", "suv_up"):
+        p.copy_(jitter(0.8, 1.2))
+    elif leaf == "logit_scale":
+        p.copy_(ir * math.sqrt(model.config.hidden_size) * jitter(0.8, 1.2))
+    else:
+        return False
+    return True
 
 
 def build_model(cfg, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -95,6 +117,8 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
     cfg = load_model_config(d)
     model = _instantiate(cfg)
     tensors = _read_tensors(d)
+    if hasattr(model, "rename_checkpoint"):  # checkpoint names -> state_dict names (Dory)
+        tensors = model.rename_checkpoint(tensors)
     expected = _checkpoint_tensors(model)
     for name, param in expected.items():
         if name not in tensors:
