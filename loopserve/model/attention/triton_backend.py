@@ -1,0 +1,152 @@
+"""Triton paged, depth-aware attention backend (CUDA; CPU tensors under TRITON_INTERPRET=1).
+
+Depth-awareness needs nothing special here: each segment brings its own plane's block table.
+Launch parameters come from host-side metadata only (`seg_bounds`, `max_context_len`), so a
+forward never waits on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from loopserve.model.attention.triton_kv_write import triton_write_kv
+from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
+from loopserve.model.batch import AttnMetadata
+
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_MAX_BLOCK_SIZE = 128
+_MAX_HEAD_DIM = 256
+_MAX_SPLITS = 64
+_MIN_SPLIT_LEN = 128  # KV positions per split worth a program of its own
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    rows_per_tile: int  # BQ: query rows of one segment per program
+    block_m: int  # score rows: rows_per_tile * group, padded to a power of two (>= 16 for tl.dot)
+    block_n: int  # KV positions per inner step
+    num_splits: int  # KV chunks per tile (flash-decoding); 1 = write the output directly
+    num_warps: int
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def launch_config(meta: AttnMetadata, group: int, num_kv_heads: int, num_sms: int,
+                  kv_splits: int | None = None, fp32: bool = False) -> LaunchConfig:
+    """Decode (one row per segment) packs one row's group heads per program and splits long KV
+    ranges until the GPU is covered about twice; prefill tiles 128 score rows per program (64
+    in fp32, whose tiles take twice the registers)."""
+    max_rows = max((b - a for a, b in meta.seg_bounds), default=1)
+    score_rows = 64 if fp32 else 128
+    rows = min(triton.next_power_of_2(max(max_rows, 1)), _pow2_floor(score_rows // group))
+    block_m = max(16, triton.next_power_of_2(rows * group))
+    tiles = sum(-(-(b - a) // rows) for a, b in meta.seg_bounds)
+    if kv_splits is None:
+        want = 2 * num_sms // max(tiles * num_kv_heads, 1)
+        kv_splits = min(_pow2_floor(want), _pow2_floor(meta.max_context_len // _MIN_SPLIT_LEN), _MAX_SPLITS)
+    return LaunchConfig(rows_per_tile=rows, block_m=block_m, block_n=64, num_splits=max(kv_splits, 1),
+                        num_warps=8 if block_m >= 128 else 4)
+
+
+class TritonAttention:
+    """`AttentionBackend` on Triton kernels. `kv_splits` forces the split-KV count (tests,
+    benchmarks); None picks it from the batch shape and the GPU's SM count."""
+
+    def __init__(self, kv_splits: int | None = None) -> None:
+        if kv_splits is not None and not 1 <= kv_splits <= _MAX_SPLITS:
+            raise ValueError(f"kv_splits={kv_splits} must be in [1, {_MAX_SPLITS}]")
+        self.kv_splits = kv_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        _check_inputs(q, k, v, cache, meta, window)
+        triton_write_kv(cache, meta, k, v)
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        return self._attend(q, cache, meta, scale, window, out)
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
+                window: int | None, out: torch.Tensor) -> torch.Tensor:
+        num_rows, hq, head_d = q.shape
+        hkv = cache.shape[3]
+        group = hq // hkv
+        num_sms = 1 if _INTERPRET else _num_sms(q.device)
+        dot_dtype = _DTYPES[cache.dtype] if q.dtype == cache.dtype else tl.float32
+        if _INTERPRET and dot_dtype == tl.bfloat16:
+            dot_dtype = tl.float32  # the interpreter's numpy dot misreads bf16 operands
+        cfg = launch_config(meta, group, hkv, num_sms, self.kv_splits, fp32=dot_dtype == tl.float32)
+        block_d = max(16, triton.next_power_of_2(head_d))  # tl.dot needs K >= 16
+        num_segs = len(meta.seg_bounds)
+        split = cfg.num_splits > 1
+        if split:
+            acc = torch.empty(cfg.num_splits, num_rows, hq, head_d, dtype=torch.float32, device=q.device)
+            m_part = torch.empty(cfg.num_splits, num_rows, hq, dtype=torch.float32, device=q.device)
+            l_part = torch.empty_like(m_part)
+        else:
+            acc, m_part, l_part = out, out, out  # the partial buffers are unused without SPLIT
+        grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
+        _paged_attn_kernel[grid](
+            q, cache, acc, m_part, l_part, meta.seg_starts, meta.block_tables, meta.positions,
+            num_segs, num_rows, cfg.num_splits, scale * math.log2(math.e), window or 0,
+            *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
+            G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype,
+            num_warps=cfg.num_warps, num_stages=2)
+        if split:
+            _merge_splits_kernel[(num_rows, hq)](
+                acc, m_part, l_part, out, num_rows, cfg.num_splits, *out.stride(),
+                HQ=hq, HEAD_D=head_d, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_D=block_d)
+        return out
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                  meta: AttnMetadata, window: int | None) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    num_rows, hq, head_d = q.shape
+    if cache.dim() != 5 or cache.shape[1] != 2:
+        raise ValueError(f"cache must be [num_blocks, 2, block_size, Hkv, D], got shape {tuple(cache.shape)}")
+    hkv = cache.shape[3]
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (num_rows, hkv, head_d):
+            raise ValueError(f"{name} shape {tuple(t.shape)} != (T, Hkv, D) = {(num_rows, hkv, head_d)}")
+    if tuple(cache.shape[2:]) != (meta.block_size, hkv, head_d):
+        raise ValueError(f"cache shape {tuple(cache.shape)} does not match block_size={meta.block_size}, "
+                         f"Hkv={hkv}, D={head_d}")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    bs = meta.block_size
+    if bs < 1 or bs > _MAX_BLOCK_SIZE or bs & (bs - 1):
+        raise ValueError(f"block_size={bs} must be a power of two in [1, {_MAX_BLOCK_SIZE}]")
+    if not 1 <= head_d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_d} must be in [1, {_MAX_HEAD_DIM}]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cache", cache)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} not supported (one of {list(_DTYPES)})")
+        if t.device != cache.device or (t.device.type != "cuda" and not _INTERPRET):
+            raise ValueError(f"{name} is on {t.device}: TritonAttention needs CUDA tensors on one device "
+                             f"(CPU only under TRITON_INTERPRET=1)")
+    if meta.positions.shape[0] != num_rows or meta.slot_mapping.shape[0] != num_rows:
+        raise ValueError(f"meta.positions/slot_mapping have {meta.positions.shape[0]}/"
+                         f"{meta.slot_mapping.shape[0]} rows, q has T={num_rows}")
+    if meta.block_tables.dtype != torch.int32:
+        raise ValueError(f"meta.block_tables dtype {meta.block_tables.dtype} must be torch.int32")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1 (or None)")

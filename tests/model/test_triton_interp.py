@@ -1,0 +1,91 @@
+"""The Triton attention kernels under TRITON_INTERPRET=1 on CPU, against the torch reference.
+
+Small shapes only (the interpreter runs every program in numpy). The GPU twin with real
+sizes is tests/gpu/test_triton_attention.py.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests are for CPU-only machines; tests/gpu covers CUDA",
+                allow_module_level=True)
+
+from loopserve.model.attention import triton_backend  # noqa: E402
+from loopserve.model.attention.triton_backend import TritonAttention  # noqa: E402
+from loopserve.model.batch import build_attn_metadata  # noqa: E402
+from tests.gpu.attn_cases import assert_matches, make_case, random_segments  # noqa: E402
+
+if not triton_backend._INTERPRET:
+    pytest.skip("kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_mixed_context_lengths(block_size):
+    case = make_case([[0], [5], [17], [33], [2], [40]], hq=4, hkv=2, head_dim=16,
+                     block_size=block_size, dtype=torch.float32, device="cpu")
+    assert_matches(case, TritonAttention())
+
+
+def test_prefill_gappy_positions_mixed_depths_gqa():
+    # one request's chunk at depths 1 and 2 (same positions, own tables), rows not yet exited
+    # leave gaps; another request's prompt chunk; a decode row. Non-power-of-two head dim.
+    chunk = [8, 9, 11, 12, 15, 19, 20]
+    segs = [chunk, chunk[1:4], list(range(3, 30)), [44]]
+    case = make_case(segs, hq=8, hkv=2, head_dim=24, block_size=4, dtype=torch.float32,
+                     device="cpu", strided_q=True)
+    assert_matches(case, TritonAttention())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_batches(seed):
+    case = make_case(random_segments(seed, 5, 70, 12), hq=6, hkv=2, head_dim=16, block_size=8,
+                     dtype=torch.float32, device="cpu", seed=seed)
+    assert_matches(case, TritonAttention())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_storage(dtype):
+    case = make_case(random_segments(3, 4, 50, 9), hq=4, hkv=1, head_dim=32, block_size=16,
+                     dtype=dtype, device="cpu", seed=3)
+    assert_matches(case, TritonAttention())
+
+
+def test_sliding_window():
+    case = make_case(random_segments(4, 4, 80, 10), hq=4, hkv=2, head_dim=16, block_size=4,
+                     dtype=torch.float32, device="cpu", seed=4)
+    assert_matches(case, TritonAttention(), window=7)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_kv(splits):
+    # more splits than a short context fills leaves some splits empty: the merge must skip them
+    case = make_case(random_segments(5, 4, 150, 6), hq=4, hkv=2, head_dim=16, block_size=8,
+                     dtype=torch.float32, device="cpu", seed=5)
+    assert_matches(case, TritonAttention(kv_splits=splits))
+    assert_matches(case, TritonAttention(kv_splits=splits), window=40)
+
+
+def test_rejects_bad_input():
+    case = make_case([[3], [9]], hq=4, hkv=2, head_dim=16, block_size=4, dtype=torch.float32,
+                     device="cpu")
+    attn, cache = TritonAttention(), case.pool[:, 0]
+    with pytest.raises(ValueError, match="Hq=3 is not a multiple of Hkv=2"):
+        attn.forward(case.q[:, :3], case.k, case.v, cache, case.meta, case.scale)
+    with pytest.raises(ValueError, match="window=0 must be >= 1"):
+        attn.forward(case.q, case.k, case.v, cache, case.meta, case.scale, window=0)
+    with pytest.raises(ValueError, match="q dtype torch.float64 not supported"):
+        attn.forward(case.q.double(), case.k, case.v, cache, case.meta, case.scale)
+    with pytest.raises(ValueError, match=r"k shape \(2, 1, 16\) != \(T, Hkv, D\)"):
+        attn.forward(case.q, case.k[:, :1], case.v, cache, case.meta, case.scale)
+    meta3 = build_attn_metadata([0], [2], [[0]], 3, torch.device("cpu"))
+    cache3 = torch.zeros(2, 2, 3, 2, 16)
+    with pytest.raises(ValueError, match="block_size=3 must be a power of two in"):
+        attn.forward(case.q[:1], case.k[:1], case.v[:1], cache3, meta3, case.scale)
+    with pytest.raises(ValueError, match="kv_splits=0 must be in"):
+        TritonAttention(kv_splits=0)
