@@ -47,6 +47,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from loopserve.cluster.job import main as job_main
+
+    argv = ["--serve"] + (["--config", args.config] if args.config else [])
+    argv += [f"--{k}={v}" for k in ("host", "port", "duration") if (v := getattr(args, k)) is not None]
+    return job_main(argv)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from loopserve.cluster.client import LoopServeClient
+
+    import grpc
+
+    with LoopServeClient(args.address) as client:
+        done = None
+        try:
+            for event in client.generate(args.prompt, _sampling(args), request_id=args.request_id):
+                if event.kind == "chunk":
+                    print(event.text, end="", flush=True)
+                elif event.kind == "complete":
+                    done = event
+                else:
+                    print(f"\nloopserve: error: {event.error}", file=sys.stderr)
+                    return 1
+        except grpc.RpcError as e:
+            print(f"loopserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(f"\n--- {done.finish_reason}; {done.completion_tokens} tokens", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="start a PD (or colocated) cluster behind the gRPC server")
+    s.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("client", help="stream one reply from a running `loopserve serve`")
+    c.add_argument("prompt")
+    c.add_argument("--address", default="127.0.0.1:50051")
+    c.add_argument("--request-id", default=None)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_client)
     return parser
 
 

@@ -1,0 +1,131 @@
+"""ClusterConfig: which workers to start where, and how they serve. YAML, unknown keys are errors.
+
+The defaults are the embedded default cluster (`configs/cpu-1p1d.yaml`: one prefill and one
+decode worker of the tiny model on a local CPU Ray cluster).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loopserve.engine.config import EngineConfig
+
+ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerGroup(_Strict):
+    num_workers: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0)  # per worker (Ray actor resource)
+    num_gpus: float = Field(0.0, ge=0)  # per worker; fractions share a GPU
+    engine: dict = Field(default_factory=dict)  # EngineConfig overrides for this group
+
+
+class RayConfig(_Strict):
+    address: str | None = None  # None: RAY_ADDRESS if set (ray job submit), else a local cluster
+    num_cpus: int | None = Field(None, ge=1)  # local cluster only
+    num_gpus: int | None = Field(None, ge=0)  # local cluster only
+    max_restarts: int = Field(0, ge=0)
+    max_concurrency: int = Field(16, ge=2)  # long polls + submits + aborts at once
+
+
+class TransferConfig(_Strict):
+    lease_s: float = Field(30.0, gt=0)  # prefill frees a handoff's blocks if not renewed this long
+    heartbeat_s: float = Field(1.0, gt=0)  # decode renews leases of handoffs it still has to read
+    read_timeout_s: float = Field(30.0, gt=0)  # a READ not done by then fails the request
+
+    @model_validator(mode="after")
+    def _check(self) -> TransferConfig:
+        if self.heartbeat_s >= self.lease_s:
+            raise ValueError(f"transfer.heartbeat_s ({self.heartbeat_s}) must be < "
+                             f"transfer.lease_s ({self.lease_s})")
+        return self
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)  # 0: any free port
+    poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
+
+
+def _default_engine() -> EngineConfig:
+    return EngineConfig(model="tiny-ouro", block_size=4, num_blocks=2048, max_model_len=512,
+                        max_num_seqs=32)
+
+
+class ClusterConfig(_Strict):
+    mode: Literal["pd", "colocated"] = "pd"
+    launcher: Literal["ray", "process"] = "ray"
+    engine: EngineConfig = Field(default_factory=_default_engine)  # shared by every worker
+    prefill: WorkerGroup = Field(default_factory=WorkerGroup)
+    decode: WorkerGroup = Field(default_factory=WorkerGroup)
+    colocated: WorkerGroup = Field(default_factory=WorkerGroup)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if "role" in self.engine.model_fields_set:
+            raise ValueError("engine.role is set by the worker group; remove it")
+        for role in ROLES_BY_MODE[self.mode]:
+            if getattr(self, role).num_workers < 1:
+                raise ValueError(f"{role}.num_workers must be >= 1 in mode {self.mode!r}")
+            self.engine_config(role)  # validates the group's overrides
+        return self
+
+    def roles(self) -> tuple[str, ...]:
+        return ROLES_BY_MODE[self.mode]
+
+    def group(self, role: str) -> WorkerGroup:
+        return getattr(self, role)
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The shared engine config with the group's overrides, for `role`."""
+        overrides = self.group(role).engine
+        if "role" in overrides:
+            raise ValueError(f"{role}.engine.role is set by the worker group; remove it")
+        try:
+            return EngineConfig(**{**self.engine.model_dump(exclude={"role"}), **overrides, "role": role})
+        except ValidationError as e:
+            raise ValueError(f"{role}.engine: {_describe(e)}") from None
+
+
+def _describe(e: ValidationError) -> str:
+    """One line per problem: the dotted field path, what is wrong, and the value given."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg} (got {err.get('input')!r})" if loc else msg)
+    return "; ".join(parts)
+
+
+def load_cluster_config(source: str | Path | dict | None = None, **overrides) -> ClusterConfig:
+    """A ClusterConfig from a YAML path, a dict or nothing (the embedded default)."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        where = f"{path}: "
+    else:
+        data, where = dict(source or {}), ""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}the top level must be a mapping, got {type(data).__name__}")
+    data.update(overrides)
+    try:
+        return ClusterConfig(**data)
+    except ValidationError as e:
+        raise ConfigError(where + _describe(e)) from None

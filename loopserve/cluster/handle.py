@@ -1,0 +1,70 @@
+"""WorkerHandle: how the router and server talk to a worker, wherever it runs.
+
+Two implementations (Ray actor, plain process) provide `_call`; every method is a blocking
+call that re-raises the worker's own exception (ValueError for bad input, QueueFullError,
+...), so callers never see launcher-specific error types for worker-side failures.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from loopserve.prefill_worker.events import WorkerEvents
+
+
+class WorkerHandle(ABC):
+    def __init__(self, worker_id: str, role: str) -> None:
+        self.worker_id = worker_id
+        self.role = role
+
+    @abstractmethod
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Run `method(*args)` on the worker and return its result (or raise its exception)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop the worker's process/actor without asking it (after shutdown, or if it hangs)."""
+
+    def wait_ready(self, timeout: float) -> dict:
+        return self._call("health", timeout=timeout)
+
+    def handshake_info(self) -> dict:
+        return self._call("handshake_info")
+
+    def add_peer(self, info: dict) -> None:
+        self._call("add_peer", info)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: dict) -> bool:
+        return self._call("submit", request_id, prompt, params)
+
+    def submit_handoff(self, message: Any) -> bool:
+        return self._call("submit_handoff", message)
+
+    def get_events(self, timeout: float) -> WorkerEvents:
+        return self._call("get_events", timeout, timeout=timeout + 30)
+
+    def abort(self, request_id: str) -> bool:
+        return self._call("abort", request_id)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def health(self, timeout: float | None = None) -> dict:
+        return self._call("health", timeout=timeout)
+
+    def trace(self, request_id: str) -> list[str]:
+        return self._call("trace", request_id)
+
+    def check_no_leaks(self) -> dict:
+        return self._call("check_no_leaks")
+
+    def shutdown(self, timeout: float = 30) -> None:
+        """Ask the worker to stop cleanly, then make sure it is gone."""
+        try:
+            self._call("shutdown", timeout=timeout)
+        finally:
+            self.kill()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.worker_id!r}, role={self.role!r})"

@@ -1,0 +1,158 @@
+"""Workers as plain processes (multiprocessing spawn) for machines without Ray.
+
+The child builds the worker and serves its methods over `multiprocessing.connection`
+(127.0.0.1, an authkey); the parent opens one connection per calling thread, so a pump's
+long poll never blocks another thread's submit or abort.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from loopserve.cluster.handle import WorkerHandle
+from loopserve.cluster.spec import WorkerSpec, worker_class
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception itself if it pickles (so callers can catch its type), else its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _serve_connection(worker: Any, conn: Connection, stop: threading.Event) -> None:
+    with conn:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                result = ("ok", getattr(worker, method)(*args))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                result = ("err", _portable(e))
+            conn.send(result)
+            if method == "shutdown":
+                stop.set()
+                return
+
+
+def _accept_loop(listener: Listener, worker: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            conn = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_serve_connection, args=(worker, conn, stop), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    """An orphaned worker (its launcher died) stops instead of holding memory forever."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent_pid:
+            stop.set()
+
+
+def _worker_main(spec: WorkerSpec, ready: Connection, authkey: bytes, parent_pid: int) -> None:
+    os.environ.update(spec.env)  # before torch / NIXL read them
+    try:
+        worker = worker_class(spec.role)(**spec.kwargs())
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher, which raises it
+        ready.send(("err", _portable(e)))
+        return
+    ready.send(("ok", listener.address))
+    stop = threading.Event()
+    threading.Thread(target=_accept_loop, args=(listener, worker, stop), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+    stop.wait()
+    worker.shutdown()  # idempotent: a no-op when the shutdown RPC already ran it
+    listener.close()
+
+
+class ProcessWorkerHandle(WorkerHandle):
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec.worker_id, spec.role)
+        ctx = mp.get_context("spawn")
+        self._authkey = secrets.token_bytes(16)
+        self._ready, child = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_worker_main, name=spec.worker_id, daemon=True,
+                                 args=(spec, child, self._authkey, os.getpid()))
+        self._proc.start()
+        child.close()
+        self._address: tuple[str, int] | None = None
+        self._local = threading.local()
+        self._conns: list[Connection] = []
+        self._conns_lock = threading.Lock()
+
+    def wait_ready(self, timeout: float) -> dict:
+        if self._address is None:
+            if not self._ready.poll(timeout):
+                raise TimeoutError(f"worker {self.worker_id} did not start within {timeout} s")
+            try:
+                status, value = self._ready.recv()
+            except EOFError:
+                raise WorkerDiedError(
+                    f"worker {self.worker_id} exited during start (exit code {self._proc.exitcode})"
+                ) from None
+            if status == "err":
+                raise value
+            self._address = value
+        return self.health(timeout=timeout)
+
+    def _conn(self) -> Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._address is None:
+                raise RuntimeError(f"worker {self.worker_id} is not ready (call wait_ready first)")
+            conn = self._local.conn = Client(self._address, authkey=self._authkey)
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        conn = self._conn()
+        try:
+            conn.send((method, args))
+            if timeout is not None and not conn.poll(timeout):
+                self._drop_conn()  # a late reply would be read as the next call's
+                raise TimeoutError(f"{self.worker_id}.{method} did not answer within {timeout} s")
+            status, value = conn.recv()
+        except (EOFError, OSError, ConnectionError) as e:
+            self._drop_conn()
+            raise WorkerDiedError(f"worker {self.worker_id} is gone ({type(e).__name__}) "
+                                  f"during {method}") from None
+        if status == "err":
+            raise value
+        return value
+
+    def kill(self) -> None:
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()

@@ -1,0 +1,360 @@
+"""Router: sends a request to an entry worker (prefill or colocated) and its handoff to a decode
+worker, both chosen by load, and streams the request's outputs back to the caller.
+
+One pump thread per worker long-polls `get_events` and dispatches everything new: outputs to
+their streams, handoffs to a decode worker. (Lease renewals and releases go from decode to
+prefill workers directly, as NIXL notifications.)
+Streams are asyncio queues fed with `call_soon_threadsafe`, so a request's first token (from
+the prefill side) always precedes its decode tokens: the handoff is forwarded after the
+outputs of the same batch were queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from loopserve.cluster.handle import WorkerHandle
+from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.prefill_worker.events import WorkerLoad
+from loopserve.prefill_worker.handoff import handoff_blocks
+
+log = logging.getLogger(__name__)
+REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)
+
+
+class NoWorkerError(RuntimeError):
+    """No healthy worker of the needed role."""
+
+
+@dataclass
+class _Stream:
+    client_id: str
+    request_id: str  # the id the engines see (unique per router)
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    entry: str
+    decode: str | None = None
+
+
+class _WorkerState:
+    """The router's view of one worker: its last reported load plus submits not yet counted."""
+
+    def __init__(self, handle: WorkerHandle) -> None:
+        self.handle = handle
+        self.id = handle.worker_id
+        self.load: WorkerLoad | None = None
+        self.healthy = True
+        self.sent = 0
+        self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
+
+    def note_sent(self, blocks: int) -> None:
+        self.sent += 1
+        self.pending.append((self.sent, blocks))
+
+    def unsend(self) -> None:
+        """A submit that was not accepted: the worker's `accepted` will not count it."""
+        self.sent -= 1
+        if self.pending:
+            self.pending.pop()
+
+    def on_load(self, load: WorkerLoad) -> None:
+        self.load = load
+        self.healthy = load.healthy
+        while self.pending and self.pending[0][0] <= load.accepted:
+            self.pending.popleft()
+
+    @property
+    def queue_depth(self) -> int:
+        reported = self.load.queue_depth + self.load.running if self.load else 0
+        return reported + len(self.pending)
+
+    @property
+    def free_blocks(self) -> float:
+        reported = self.load.free_blocks if self.load else math.inf
+        return reported - sum(b for _, b in self.pending)
+
+
+class Router:
+    def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
+                 poll_s: float = 0.2) -> None:
+        if not entry:
+            raise ValueError("a router needs at least one prefill or colocated worker")
+        roles = {h.role for h in entry}
+        if decode and roles != {"prefill"}:
+            raise ValueError(f"decode workers need prefill entry workers, got roles {sorted(roles)}")
+        if not decode and roles != {"colocated"}:
+            raise ValueError(f"without decode workers the entry workers must be colocated, "
+                             f"got roles {sorted(roles)}")
+        self.poll_s = poll_s
+        self._entry = [_WorkerState(h) for h in entry]
+        self._decode = [_WorkerState(h) for h in decode]
+        self._workers = {w.id: w for w in self._entry + self._decode}
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}  # engine request id -> stream
+        self._live: dict[str, str] = {}  # client id -> engine request id
+        self._uses: OrderedDict[str, int] = OrderedDict()
+        self._closed = False
+        self._pumps: list[threading.Thread] = []
+        self._calls = ThreadPoolExecutor(8, "loopserve-router")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Router:
+        """Handshake every decode worker with every prefill worker, then start the pumps."""
+        self._handshake(self._decode, self._entry)
+        for w in self._workers.values():
+            t = threading.Thread(target=self._pump, args=(w,), name=f"pump-{w.id}", daemon=True)
+            t.start()
+            self._pumps.append(t)
+        return self
+
+    def _handshake(self, decode: Sequence[_WorkerState], prefill: Sequence[_WorkerState]) -> None:
+        if not decode:
+            return
+        infos = list(self._calls.map(lambda p: p.handle.handshake_info(), prefill))
+        jobs = [(d, info) for d in decode for info in infos]
+        list(self._calls.map(lambda job: job[0].handle.add_peer(job[1]), jobs))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams, self._streams, self._live = list(self._streams.values()), {}, {}
+        for st in streams:
+            self._push(st, _final(st, "abort", "server shutting down"))
+        for t in self._pumps:
+            t.join(timeout=self.poll_s + 35)
+        self._calls.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing or cancelling the stream aborts it everywhere.
+
+        Raises ValueError (bad input, request id in use), QueueFullError or NoWorkerError
+        before the first output.
+        """
+        params = params or SamplingParams()
+        st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}")
+        entry = self._workers[st.entry]
+        try:
+            accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt,
+                                               params.to_dict())
+        except asyncio.CancelledError:
+            self._calls.submit(self._abort_sync, st.request_id)
+            raise
+        except BaseException:
+            with self._lock:
+                entry.unsend()
+            self._forget(st)
+            raise
+        if not accepted:  # it was aborted while the submit travelled
+            self._forget(st)
+            return
+        finished = False
+        try:
+            while True:
+                out = await st.queue.get()
+                finished = out.finished
+                yield out if out.request_id == st.client_id else replace(out, request_id=st.client_id)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._calls.submit(self._abort_sync, st.request_id)
+
+    def _open(self, client_id: str) -> _Stream:
+        if not isinstance(client_id, str) or not client_id:
+            raise ValueError("request_id must be a non-empty string")
+        if "," in client_id:  # NIXL notifications carry comma-separated request ids
+            raise ValueError(f"request_id must not contain ',', got {client_id!r}")
+        with self._lock:
+            if self._closed:
+                raise NoWorkerError("the router is closed")
+            if client_id in self._live:
+                raise ValueError(f"request_id {client_id!r} is already in use")
+            entry = self._pick_entry()
+            n = self._uses.get(client_id, 0)
+            self._uses[client_id] = n + 1
+            self._uses.move_to_end(client_id)
+            while len(self._uses) > REUSE_MEMORY:
+                self._uses.popitem(last=False)
+            rid = client_id if n == 0 else f"{client_id}#{n}"
+            st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id)
+            self._streams[rid] = st
+            self._live[client_id] = rid
+            entry.note_sent(0)
+            return st
+
+    def _forget(self, st: _Stream) -> None:
+        with self._lock:
+            if self._streams.get(st.request_id) is st:
+                del self._streams[st.request_id]
+            if self._live.get(st.client_id) == st.request_id:
+                del self._live[st.client_id]
+
+    def _pick_entry(self) -> _WorkerState:
+        healthy = [w for w in self._entry if w.healthy]
+        if not healthy:
+            raise NoWorkerError(f"no healthy {self._entry[0].handle.role} worker")
+        return min(healthy, key=lambda w: (w.queue_depth, -w.free_blocks, w.sent))
+
+    def _pick_decode(self, blocks: int) -> _WorkerState | None:
+        healthy = [w for w in self._decode if w.healthy]
+        if not healthy:
+            return None
+        best = max(healthy, key=lambda w: (w.free_blocks, -w.queue_depth, -w.sent))
+        best.note_sent(blocks)
+        return best
+
+    async def abort(self, client_id: str) -> bool:
+        """Abort a live request on every engine holding it; its stream ends with 'abort'."""
+        with self._lock:
+            rid = self._live.get(client_id)
+        if rid is None:
+            return False
+        return await asyncio.to_thread(self._abort_sync, rid)
+
+    def _abort_sync(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+        with self._lock:
+            st = self._streams.pop(request_id, None)
+            if st is None:
+                return False
+            if self._live.get(st.client_id) == request_id:
+                del self._live[st.client_id]
+            targets = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
+        self._push(st, _final(st, reason, error))
+        for w in targets:
+            try:
+                w.handle.abort(request_id)
+            except Exception as e:  # noqa: BLE001 - a dead worker holds nothing any more
+                log.warning("abort %s on %s failed: %s", request_id, w.id, e)
+        return True
+
+    # ------------------------------------------------------------------ pumps
+    def _pump(self, w: _WorkerState) -> None:
+        failed = False
+        while not self._closed:
+            try:
+                ev = w.handle.get_events(self.poll_s)
+            except Exception as e:  # noqa: BLE001 - the worker died or is restarting
+                if self._closed:
+                    return
+                if not failed:
+                    log.error("worker %s failed: %s", w.id, e)
+                    self._fail_worker(w, f"worker {w.id} failed: {e}")
+                failed = True
+                time.sleep(1.0)
+                continue
+            if failed:  # it came back (a restarted actor): new KV agent, handshake again
+                self._rejoin(w)
+                failed = False
+            with self._lock:
+                w.on_load(ev.load)
+            for out in ev.outputs:
+                self._deliver(out)
+            for msg in ev.handoffs:
+                self._route_handoff(w, msg)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            st = self._streams.get(out.request_id)
+            if st is None:
+                return
+            if out.finished:
+                del self._streams[out.request_id]
+                if self._live.get(st.client_id) == out.request_id:
+                    del self._live[st.client_id]
+        self._push(st, out)
+
+    def _route_handoff(self, prefill: _WorkerState, msg) -> None:
+        rid = msg.request_id
+        with self._lock:
+            st = self._streams.get(rid)
+            target = self._pick_decode(handoff_blocks(msg)) if st is not None else None
+            if target is not None:
+                st.decode = target.id
+        if st is None:  # aborted meanwhile: let the prefill side free the blocks now
+            self._call_quietly(prefill, "abort", rid)
+            return
+        if target is None:
+            self._abort_sync(rid, "error", "no healthy decode worker")
+            return
+        try:
+            accepted = target.handle.submit_handoff(msg)
+        except Exception as e:  # noqa: BLE001 - reported on the request's stream
+            accepted = False
+            self._abort_sync(rid, "error", f"handoff to {target.id} failed: {e}")
+        if not accepted:
+            with self._lock:
+                target.unsend()
+            self._call_quietly(prefill, "abort", rid)
+
+    def _fail_worker(self, w: _WorkerState, error: str) -> None:
+        with self._lock:
+            w.healthy = False
+            hit = [st.request_id for st in self._streams.values() if w.id in (st.entry, st.decode)]
+        for rid in hit:
+            self._abort_sync(rid, "error", error)
+
+    def _rejoin(self, w: _WorkerState) -> None:
+        try:
+            if w.handle.role == "prefill":
+                self._handshake(self._decode, [w])
+            elif w.handle.role == "decode":
+                self._handshake([w], self._entry)
+        except Exception as e:  # noqa: BLE001 - stays unhealthy until the next successful poll
+            log.error("worker %s could not rejoin: %s", w.id, e)
+
+    @staticmethod
+    def _call_quietly(w: _WorkerState, method: str, *args) -> None:
+        try:
+            getattr(w.handle, method)(*args)
+        except Exception as e:  # noqa: BLE001 - best effort; the worker's leases cover it
+            log.warning("%s on %s failed: %s", method, w.id, e)
+
+    @staticmethod
+    def _push(st: _Stream, out: RequestOutput) -> None:
+        try:
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+    # ------------------------------------------------------------------ introspection
+    def workers(self) -> list[WorkerHandle]:
+        return [w.handle for w in self._workers.values()]
+
+    def stats(self) -> dict[str, dict]:
+        """Every worker's stats (blocking; call from a thread)."""
+        ws = list(self._workers.values())
+        results = self._calls.map(lambda w: _safe(w.handle.stats), ws)
+        return {w.id: s for w, s in zip(ws, results)}
+
+    def health(self) -> dict[str, dict]:
+        ws = list(self._workers.values())
+        results = self._calls.map(lambda w: _safe(w.handle.health, timeout=10), ws)
+        return {w.id: {**h, "ok": bool(h.get("ok")) and w.healthy} for w, h in zip(ws, results)}
+
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+
+def _final(st: _Stream, reason: str, error: str | None) -> RequestOutput:
+    return RequestOutput(st.request_id, (), "", (), finished=True, finish_reason=reason, error=error)
+
+
+def _safe(fn, **kw) -> dict:
+    try:
+        return fn(**kw)
+    except Exception as e:  # noqa: BLE001 - reported as data: stats/health of a dead worker
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+

@@ -1,0 +1,152 @@
+"""The gRPC server (grpc.aio): LoopServe over a Router, plus the standard grpc.health.v1.
+
+Generate streams the first token as soon as the prefill side has it, then the decode side's
+tokens. A cancelled stream aborts the request on every engine holding it (the router's
+stream is closed with it). Bad input gets INVALID_ARGUMENT naming the field, a full queue
+RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from loopserve.cluster.protocol import request_from_proto, responses_from_output
+from loopserve.cluster.proto import loopserve_pb2 as pb
+from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
+from loopserve.cluster.router import NoWorkerError, Router
+from loopserve.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+SERVICE = "loopserve.v1.LoopServe"
+HEALTH_PERIOD_S = 2.0
+
+
+class LoopServeServicer(pb_grpc.LoopServeServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            prompt, params = request_from_proto(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = self.router.generate(prompt, params, request.request_id or None)
+        try:
+            async for out in stream:
+                for msg in responses_from_output(out, out.request_id, time.time()):
+                    yield msg
+        except ValueError as e:  # the engine's validation (token ids, lengths, request id)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NoWorkerError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            await stream.aclose()  # not finished: aborts the request on both engines
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
+        return pb.AbortResponse(aborted=await self.router.abort(request.request_id))
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        health = await asyncio.to_thread(self.router.health)
+        bad = sorted(w for w, h in health.items() if not h["ok"])
+        status = "SERVING" if not bad else "unhealthy: " + ", ".join(
+            f"{w} ({health[w].get('error')})" for w in bad)
+        return pb.HealthResponse(healthy=not bad, status=status)
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        stats = await asyncio.to_thread(self.router.stats)
+        return pb.StatsResponse(workers=[_worker_stats(w, s) for w, s in stats.items()])
+
+
+def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
+    if "kv" not in s:  # the worker did not answer
+        return pb.WorkerStats(worker_id=worker_id, healthy=False)
+    sched, kv = s["scheduler"], s["kv"]
+    counters = {k: int(v) for k, v in s["counters"].items() if isinstance(v, (int, float))}
+    counters.update({f"batches_{k}": v for k, v in s["counters"]["batches"].items()})
+    counters.update({f"kv_reads_{k}": int(v) for k, v in s.get("kv_reads", {}).items() if k != "seconds"})
+    pools = {name: pb.PoolUsage(**kv[name]) for name in ("looped", "flat")}
+    return pb.WorkerStats(
+        worker_id=worker_id, role=s["role"], looped=pools["looped"], flat=pools["flat"],
+        num_waiting=sched["num_waiting"], num_running=sched["num_running"],
+        num_receiving=sched["num_receiving"], num_transferring=sched["num_transferring"],
+        counters=counters, healthy=s.get("error") is None,
+        pool_accounting_ok=all(kv[p]["free"] + kv[p]["used"] == kv[p]["total"] for p in kv))
+
+
+class Server:
+    """The gRPC server over a router; `port` is the bound one after start() (useful with port 0)."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50051) -> None:
+        self.router = router
+        self.host = host
+        self.port = port
+        self._server: grpc.aio.Server | None = None
+        self.health: health_aio.HealthServicer | None = None
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> Server:
+        """Bind and start (inside the event loop that will serve: grpc.aio binds to it)."""
+        self._server = grpc.aio.server()
+        pb_grpc.add_LoopServeServicer_to_server(LoopServeServicer(self.router), self._server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the gRPC server to {self.host}:{self.port}")
+        self.port = bound
+        await self._server.start()
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._watch_health())
+        log.info("loopserve gRPC server on %s", self.address)
+        return self
+
+    async def _update_health(self) -> None:
+        health = await asyncio.to_thread(self.router.health)
+        ok = all(h["ok"] for h in health.values())
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            try:
+                await self._update_health()
+            except Exception as e:  # noqa: BLE001 - keep watching; the next round may succeed
+                log.warning("health check failed: %s", e)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
+
+async def serve_forever(router: Router, host: str, port: int, duration: float | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or `duration` seconds), then stop gracefully."""
+    server = await Server(router, host, port).start()
+    print(f"loopserve serving on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=duration)
+    except TimeoutError:
+        pass
+    await server.stop()

@@ -1,0 +1,197 @@
+"""DecodeWorker: takes over prefilled requests, READs their KV from the prefill worker, decodes.
+
+A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then one NIXL
+READ pulls every plane of the prompt's blocks; when it lands the request is activated and
+decodes from its first token. While a handoff is queued or being read, the worker renews the
+prefill side's lease every heartbeat (a NIXL `renew` notification), so those blocks are never
+freed under a backlogged reader; a handoff it drops unread gets a `release`.
+
+Blocks a READ writes into are freed only once NIXL reports the READ finished, even when the
+request was aborted or its READ timed out (the caller is told at once; the blocks wait).
+Otherwise a late write could land in blocks that already belong to another request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from loopserve.engine.outputs import RequestOutput
+from loopserve.kv_transfer.connector import ReceiveTracker
+from loopserve.kv_transfer.messages import HandoffMessage
+from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+from loopserve.prefill_worker.handoff import handoff_blocks
+from loopserve.prefill_worker.host import EngineHost
+from loopserve.prefill_worker.worker import kv_pools
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker(EngineHost):
+    role = "decode"
+
+    def _setup_transfers(self) -> None:
+        self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
+                                 self.engine.kv_compat())
+        self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
+        self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
+        self._inbox: deque[HandoffMessage] = deque()  # waiting for blocks
+        self._reading: dict[str, tuple[HandoffMessage, float, int]] = {}  # READ in flight: (msg, t0, bytes)
+        self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
+        self._next_heartbeat = 0.0
+        self._peers: dict[str, bytes] = {}  # prefill engine id -> its agent metadata
+        self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    def add_peer(self, info: dict) -> None:
+        """Handshake with a prefill worker; a repeat of the same handshake is a no-op."""
+        with self._lock:
+            known = self._peers.get(info["engine_id"])
+            if known == info["agent_metadata"]:
+                return
+            if known is not None:
+                raise ValueError(f"peer {info['engine_id']!r} changed its NIXL agent (restarted); "
+                                 f"restart this decode worker to pair with it again")
+            self.nixl.add_peer(info)
+            self._peers[info["engine_id"]] = info["agent_metadata"]
+
+    def submit_handoff(self, message: HandoffMessage) -> bool:
+        """Queue a prefilled request; False if it was aborted before it arrived."""
+        with self._lock:
+            if self._aborted_early.pop(message.request_id):
+                self._release(message)
+                return False
+            self._check_healthy()
+            self._inbox.append(message)
+            self._accepted += 1
+        self._wake.set()
+        return True
+
+    # ------------------------------------------------------------------ transfers
+    def _poll_transfers(self) -> bool:
+        now = time.monotonic()
+        placed = self._place_inbox(now)
+        done, failed = self.nixl.poll()
+        for rid in done:
+            self._read_finished(rid, None)
+        for rid in failed:
+            self._read_finished(rid, "KV read failed")
+        for rid in self.tracker.expired(now):
+            self._read_timed_out(rid)
+        self._heartbeat(now)
+        return bool(placed or done or failed)
+
+    def _place_inbox(self, now: float) -> int:
+        """Give queued handoffs blocks and start their READs, in arrival order."""
+        placed = 0
+        while self._inbox:
+            msg = self._inbox[0]
+            try:
+                table = self.engine.add_handoff(msg)
+            except ValueError as e:  # a duplicate id or an impossible request: fail it alone
+                self._inbox.popleft()
+                self._release(msg)
+                self._publish([_error_output(msg.request_id, str(e))])
+                continue
+            if table is None:  # no blocks yet: retried next tick, the lease renewed meanwhile
+                break
+            self._inbox.popleft()
+            rid = msg.request_id
+            self.traces.record(rid, "RECEIVING")
+            try:
+                nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table,
+                                              table.to_dict(), msg.num_kv_tokens)
+            except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
+                self._release(msg)
+                self.engine.kv_failed(rid, f"KV read could not start: {e}")
+                self.traces.record(rid, "FINISHED")
+                continue
+            self.tracker.start(rid, now)
+            self._reading[rid] = (msg, now, nbytes)
+            placed += 1
+        return placed
+
+    def _read_finished(self, request_id: str, error: str | None) -> None:
+        entry = self._reading.pop(request_id, None)
+        if entry is None:
+            return
+        msg, t0, nbytes = entry
+        self.tracker.done(request_id)
+        if request_id in self._dropped:  # the caller already has its final output
+            self._dropped.discard(request_id)
+            self.engine.abort(request_id)
+            return
+        if error is None:
+            self.reads["count"] += 1
+            self.reads["bytes"] += nbytes
+            self.reads["seconds"] += time.monotonic() - t0
+            self.engine.kv_received(request_id)
+            return
+        self.reads["failed"] += 1
+        log.warning("%s: %s: %s", self.worker_id, request_id, error)
+        self._release(msg)
+        self.engine.kv_failed(request_id, error)
+        self.traces.record(request_id, "FINISHED")
+
+    def _read_timed_out(self, request_id: str) -> None:
+        """Fail the request now; its blocks stay reserved until NIXL reports the READ over."""
+        msg = self._reading[request_id][0]
+        self.reads["failed"] += 1
+        self._dropped.add(request_id)
+        self._release(msg)
+        error = f"KV read did not finish within {self.tracker.timeout_s} s"
+        log.warning("%s: %s: %s", self.worker_id, request_id, error)
+        self._publish([_error_output(request_id, error)])
+        self.traces.record(request_id, "FINISHED")
+
+    def _release(self, msg: HandoffMessage) -> None:
+        """Tell the prefill side it may free a handoff this worker will not read (best effort)."""
+        try:
+            self.nixl.notify(msg.prefill_engine_id, "release", [msg.request_id])
+        except Exception as e:  # noqa: BLE001 - the lease frees it later anyway
+            log.warning("%s: release of %s failed: %s", self.worker_id, msg.request_id, e)
+
+    def _heartbeat(self, now: float) -> None:
+        if now < self._next_heartbeat or not (self._inbox or self._reading):
+            return
+        self._next_heartbeat = now + self.heartbeat_s
+        renew: dict[str, list[str]] = {}
+        waiting = [*self._inbox, *(m for m, _, _ in self._reading.values())]
+        for msg in waiting:
+            if msg.request_id not in self._dropped:
+                renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
+        for peer, ids in renew.items():
+            self.nixl.notify(peer, "renew", ids)
+
+    def _transfers_pending(self) -> bool:
+        return bool(self._inbox or self._reading)
+
+    def _unplaced(self) -> tuple[int, int]:
+        return len(self._inbox), sum(handoff_blocks(m) for m in self._inbox)
+
+    def _abort_locked(self, request_id: str) -> bool:
+        if request_id in self._reading:
+            if request_id not in self._dropped:
+                self._dropped.add(request_id)
+                self._release(self._reading[request_id][0])
+                self.traces.record(request_id, "FINISHED")
+            return True
+        for msg in self._inbox:
+            if msg.request_id == request_id:
+                self._inbox.remove(msg)
+                self._release(msg)
+                self.traces.record(request_id, "FINISHED")
+                return True
+        return super()._abort_locked(request_id)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**super().stats(), "kv_reads": dict(self.reads),
+                    "inbox": len(self._inbox), "reading": len(self._reading)}
+
+    def _close_transfers(self) -> None:
+        self.nixl.close()
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(request_id, (), "", (), finished=True, finish_reason="error", error=error)

@@ -1,0 +1,214 @@
+"""EngineHost: an EngineCore on a background step thread, behind a small RPC-shaped surface.
+
+Everything the engine does happens on the thread that calls it, so every engine call (the
+step loop's and the RPC threads') holds one lock. The host itself is the colocated worker;
+PrefillWorker and DecodeWorker add KV transfer through the `_poll_transfers` /
+`_after_step` hooks. Methods are the RPC surface a `WorkerHandle` calls (Ray actor methods
+or plain-process RPC), so arguments and results are plain picklable values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.prefill_worker.engine_lock import EngineLock
+from loopserve.prefill_worker.events import WorkerEvents, WorkerLoad
+from loopserve.prefill_worker.records import RecentIds, StatusTraces
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # nothing to do at all
+POLL_WAIT_S = 0.001  # transfers in flight: poll NIXL this often
+
+
+class EngineHost:
+    role = "colocated"
+
+    def __init__(self, worker_id: str, engine: dict, transfer: dict | None = None) -> None:
+        if engine.get("role", self.role) != self.role:
+            raise ValueError(f"engine.role is {engine['role']!r} but this is a {self.role} worker")
+        self.worker_id = worker_id
+        self.transfer = dict(transfer or {})
+        self.engine = EngineCore(EngineConfig(**{**engine, "role": self.role}))
+        self._lock = EngineLock()  # every engine (and NIXL agent) call
+        self._events_cv = threading.Condition()  # guards the buffers below, never held with _lock
+        self._outputs: list[RequestOutput] = []
+        self._handoffs: list = []
+        self._wake = threading.Event()
+        self._accepted = 0
+        self.traces = StatusTraces()
+        self._aborted_early = RecentIds()
+        self._error: str | None = None
+        self._stop = False
+        self._setup_transfers()
+        self._thread = threading.Thread(target=self._run, name=f"{worker_id}-step", daemon=True)
+        self._thread.start()
+
+    def _setup_transfers(self) -> None:
+        """Subclasses create their KV transfer agent here, before the step loop starts."""
+
+    # ------------------------------------------------------------------ step loop
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                with self._lock.step():
+                    busy = self._tick()
+                    waiting = self._transfers_pending()
+            except Exception:  # the engine is broken: fail every request, report unhealthy
+                with self._lock:
+                    self._fail_all(traceback.format_exc())
+                return
+            if not busy:
+                self._wake.wait(POLL_WAIT_S if waiting else IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _tick(self) -> bool:
+        """Transfers, one engine step, publish; True if anything happened."""
+        moved = self._poll_transfers()
+        counters = self.engine.counters.batches
+        before = sum(counters.values())
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        ran = sum(counters.values()) != before
+        handoffs = self._after_step()
+        self._observe(outputs)
+        self._publish(outputs, handoffs)
+        return moved or ran or bool(outputs)
+
+    def _poll_transfers(self) -> bool:
+        return False
+
+    def _transfers_pending(self) -> bool:
+        return False
+
+    def _after_step(self) -> list:
+        return []
+
+    def _publish(self, outputs: list[RequestOutput], handoffs: list = ()) -> None:
+        if not (outputs or handoffs):
+            return
+        with self._events_cv:
+            self._outputs.extend(outputs)
+            self._handoffs.extend(handoffs)
+            self._events_cv.notify_all()
+
+    def _observe(self, outputs: list[RequestOutput] = ()) -> None:
+        """Record the scheduler status of every live request, and FINISHED as outputs say so."""
+        sched = self.engine.scheduler
+        for rid in self.engine.requests:
+            req = sched.get_request(rid)
+            if req is not None:
+                self.traces.record(rid, req.status.value)
+        for out in outputs:
+            if out.finished:
+                self.traces.record(out.request_id, "FINISHED")
+
+    def _fail_all(self, error: str) -> None:
+        log.error("%s: engine failed:\n%s", self.worker_id, error)
+        self._error = error.strip().splitlines()[-1]
+        outs = [RequestOutput(rid, (), "", (), finished=True, finish_reason="error", error=self._error)
+                for rid in list(self.engine.requests)]
+        self._publish(outs)
+
+    # ------------------------------------------------------------------ RPC surface
+    def submit(self, request_id: str, prompt: str | list[int], params: dict) -> bool:
+        """Queue a request; ValueError names a bad field, QueueFullError when the queue is full.
+
+        False if the request was aborted before it arrived.
+        """
+        sp = SamplingParams.from_dict(params)
+        with self._lock:
+            self._check_healthy()
+            if self._aborted_early.pop(request_id):
+                return False
+            self.engine.add_request(prompt, sp, request_id)
+            self._accepted += 1
+            self._observe()
+        self._wake.set()
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort wherever the request is; True if this worker knew it."""
+        with self._lock:
+            known = self._abort_locked(request_id)
+            if not known:
+                self._aborted_early.add(request_id)
+        self._wake.set()
+        return known
+
+    def _abort_locked(self, request_id: str) -> bool:
+        if request_id not in self.engine.requests:
+            return False
+        self.engine.abort(request_id)
+        self.traces.record(request_id, "FINISHED")
+        return True
+
+    def get_events(self, timeout: float = 0.5) -> WorkerEvents:
+        """Long poll: block up to `timeout` s for news, then return all of it and the load."""
+        with self._events_cv:
+            if not (self._outputs or self._handoffs):
+                self._events_cv.wait(timeout)
+            ev = WorkerEvents(self._outputs, self._handoffs)
+            self._outputs, self._handoffs = [], []
+        ev.load = self.load()
+        return ev
+
+    def load(self) -> WorkerLoad:
+        with self._lock:
+            s = self.engine.scheduler.stats()
+            pool = self.engine.kv_manager.usage().looped
+            extra_queue, extra_blocks = self._unplaced()
+            return WorkerLoad(
+                worker_id=self.worker_id, role=self.role,
+                queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
+                free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
+                accepted=self._accepted, healthy=self._error is None, error=self._error,
+            )
+
+    def _unplaced(self) -> tuple[int, int]:
+        """Work accepted but not yet in the scheduler: (requests, looped blocks it will take)."""
+        return 0, 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"worker_id": self.worker_id, "role": self.role, "accepted": self._accepted,
+                    "error": self._error, **self.engine.stats()}
+
+    def health(self) -> dict:
+        alive = self._thread.is_alive()
+        ok = self._error is None and alive
+        return {"worker_id": self.worker_id, "role": self.role, "ok": ok,
+                "error": self._error or (None if alive else "step loop not running")}
+
+    def trace(self, request_id: str) -> list[str]:
+        with self._lock:
+            return self.traces.get(request_id)
+
+    def check_no_leaks(self) -> dict:
+        """Raise unless pool accounting holds and an idle engine holds no blocks; return usage."""
+        with self._lock:
+            self.engine.check_no_leaks()
+            u = self.engine.kv_manager.usage()
+            return {"looped": u.looped.__dict__, "flat": u.flat.__dict__,
+                    "unfinished": self.engine.has_unfinished()}
+
+    def _check_healthy(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"worker {self.worker_id} failed: {self._error}")
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        with self._lock:
+            self.engine.shutdown()
+            self._close_transfers()
+
+    def _close_transfers(self) -> None:
+        pass

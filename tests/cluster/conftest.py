@@ -1,0 +1,110 @@
+"""Shared fixtures: ONE local Ray cluster per session, and 2 prefill + 2 decode Ray workers on it.
+
+Starting Ray (~5 s) and a worker (torch + model + NIXL agent, several seconds) is the slow
+part, so tests build routers over subsets of the same workers (1P1D = one of each). Only one
+router may pump a worker at a time: every test closes its router.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from loopserve.cluster.config import load_cluster_config  # noqa: E402
+from loopserve.cluster.placement import launch, stop_all  # noqa: E402
+from loopserve.cluster.router import Router  # noqa: E402
+from loopserve.engine.engine_core import EngineCore  # noqa: E402
+from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
+
+# tiny-huginn has both pools (flat prelude/coda planes and looped planes): every plane moves.
+ENGINE = {"model": "tiny-huginn", "block_size": 4, "num_blocks": 1024, "max_model_len": 512,
+          "max_num_seqs": 16}
+
+
+def pd_config(**overrides):
+    return load_cluster_config({"mode": "pd", "launcher": "ray", "engine": ENGINE,
+                                "prefill": {"num_workers": 2, "num_cpus": 1},
+                                "decode": {"num_workers": 2, "num_cpus": 1},
+                                "transfer": {"lease_s": 20, "heartbeat_s": 0.5, "read_timeout_s": 20},
+                                **overrides})
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="lsr", dir="/tmp")  # short: Ray's socket paths have a limit
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pd_workers(ray_cluster):
+    """{'prefill': [p0, p1], 'decode': [d0, d1]} Ray worker handles."""
+    handles = launch(pd_config())
+    yield {role: [h for h in handles if h.role == role] for role in ("prefill", "decode")}
+    stop_all(handles)
+
+
+@pytest.fixture
+def make_router():
+    routers = []
+
+    def make(entry, decode=()):
+        r = Router(entry, decode, poll_s=0.1).start()
+        routers.append(r)
+        return r
+
+    yield make
+    for r in routers:
+        r.close()
+
+
+_ref_engines: dict[str, EngineCore] = {}
+
+
+def colocated_reference(items, engine: dict = ENGINE) -> dict[str, tuple[list[int], list[int]]]:
+    """Tokens and exit depths of every item on one in-process colocated engine (the oracle)."""
+    key = repr(sorted(engine.items()))
+    if key not in _ref_engines:
+        cfg = load_cluster_config({"mode": "colocated", "engine": engine}).engine_config("colocated")
+        _ref_engines[key] = EngineCore(cfg)
+    eng = _ref_engines[key]
+    for it in items:
+        eng.add_request(it.prompt, it.params, f"ref-{it.request_id}")
+    got: dict[str, tuple[list[int], list[int]]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks, depths = got.setdefault(o.request_id[4:], ([], []))
+            toks.extend(o.new_token_ids)
+            depths.extend(o.exit_depths)
+    eng.check_no_leaks()
+    return got
+
+
+def greedy_items(n: int, seed: int = 0, max_tokens: int = 8):
+    """Greedy requests with mixed prompts and loop params (adaptive exit: depths differ).
+
+Seeds are explicit: Huginn's initial loop state is seeded per request, and an engine picks
+unseeded requests' seeds from its own stream.
+"""
+    import random
+
+    from loopserve.cluster.workload import WorkItem
+
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        prompt = [rng.randrange(0, 256) for _ in range(rng.choice([1, 3, 6, 11, 19]))]
+        params = SamplingParams(max_tokens=1 if i == n - 1 else max_tokens, ignore_eos=True,
+                                min_loops=rng.choice([1, 2]), max_loops=rng.choice([None, 3]),
+                                exit_threshold=rng.choice([0.5, 0.7, 1.0]), seed=1000 * seed + i)
+        items.append(WorkItem(f"s{seed}-{i}", prompt, params))
+    return items
