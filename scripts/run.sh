@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Sets up and runs the main job on the embedded default (tiny looped model on CPU).
+# Sets up and runs the main job: a 1P1D cluster of the embedded tiny looped model on CPU
+# (local Ray, NIXL over loopback) behind the gRPC server on 127.0.0.1:50051.
+# Talk to it from another shell: loopserve client "Hello"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-loopserve generate "The loop" "Recurrent depth is" --model tiny-ouro --max-tokens 24 --exit-threshold 0.7 "$@"
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+exec loopserve serve --config configs/cpu-1p1d.yaml "$@"
