@@ -26,6 +26,19 @@ class _Base(BaseModel):
     min_loops: PosInt = 1
     exit_threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
 
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    def _check_heads_and_loops(self) -> None:
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+        if self.max_loops is not None and self.max_loops < self.min_loops:
+            raise ValueError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
+
 
 class HuginnConfig(_Base):
     n_embd: PosInt
@@ -54,24 +67,14 @@ class HuginnConfig(_Base):
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )
-        if self.num_attention_heads % self.kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.kv_heads})"
-            )
+        self._check_heads_and_loops()
         if self.qk_bias and self.kv_heads != self.num_attention_heads:
             raise ValueError("qk_bias requires num_key_value_heads == num_attention_heads")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(
                 f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size ({self.vocab_size})"
             )
-        if self.max_loops is not None and self.max_loops < self.min_loops:
-            raise ValueError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def head_dim(self) -> int:
@@ -105,23 +108,13 @@ class OuroConfig(_Base):
 
     @model_validator(mode="after")
     def _check(self) -> OuroConfig:
-        if self.num_attention_heads % self.kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.kv_heads})"
-            )
+        self._check_heads_and_loops()
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) when head_dim is not given"
             )
-        if self.max_loops is not None and self.max_loops < self.min_loops:
-            raise ValueError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def hd(self) -> int:
