@@ -4,18 +4,18 @@ from loopserve.scheduler.batch import (
     BatchItem,
     BatchResult,
     ItemResult,
-    QueueFullError,
     ScheduledBatch,
     SchedulerOutput,
     UpdateEvents,
 )
 from loopserve.scheduler.config import SchedulerConfig, SpecConfig
-from loopserve.scheduler.request import SchedRequest
+from loopserve.scheduler.errors import DuplicateSelectionError, QueueFullError
+from loopserve.scheduler.request import RequestState, SchedRequest
 from loopserve.scheduler.scheduler import Scheduler
 from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 
 __all__ = [
-    "BatchItem", "BatchResult", "ItemResult", "Operation", "QueueFullError", "RequestStatus",
-    "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedRequest",
-    "SpecConfig", "UpdateEvents", "WorkKey",
+    "BatchItem", "BatchResult", "DuplicateSelectionError", "ItemResult", "Operation",
+    "QueueFullError", "RequestState", "RequestStatus", "ScheduledBatch", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput", "SchedRequest", "SpecConfig", "UpdateEvents", "WorkKey",
 ]

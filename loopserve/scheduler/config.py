@@ -1,63 +1,77 @@
-"""Scheduler configuration, validated at construction (errors name the fields)."""
+"""Scheduler configuration, validated at construction so a bad combination never schedules."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 POLICIES = ("refill", "no_refill", "priority", "mixed")
+PREEMPTION_MODES = ("keep", "offload")
+ROLES = ("colocated", "prefill", "decode")
+
+
+def _need_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _need_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
+    """Self-speculation by depth: draft `num_draft_tokens` at `draft_loops`, verify at full depth."""
+
     num_draft_tokens: int = 3
     draft_loops: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"speculative.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.draft_loops < 1:
-            raise ValueError(f"speculative.draft_loops must be >= 1, got {self.draft_loops}")
+        _need_int("speculative.num_draft_tokens", self.num_draft_tokens, 1)
+        _need_int("speculative.draft_loops", self.draft_loops, 1)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    policy: Literal["refill", "no_refill", "priority", "mixed"] = "refill"
+    policy: str = "refill"
     split_prefill: bool = False
-    prefill_chunk_size: int | None = None
+    prefill_chunk_size: int | None = None  # split prefill default: min(256, max_num_batched_tokens)
     incremental_kv: bool = False
-    preemption_mode: Literal["keep", "offload"] = "keep"
+    preemption_mode: str = "keep"  # how priority victims yield their slot
     speculative: SpecConfig | None = None
-    role: Literal["colocated", "prefill", "decode"] = "colocated"
-    coda_writes_kv: bool = True
+    role: str = "colocated"
+    coda_writes_kv: bool = True  # Huginn: every prompt chunk needs a CODA; Ouro: only the last
     max_waiting: int = 4096
-    admission_scan: int = 64  # waiting requests looked at per step
-    admission_bypass: int = 8  # how many may be admitted past a blocked one
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.split_prefill:
-            if self.prefill_chunk_size is None or self.prefill_chunk_size < 1:
-                raise ValueError(f"split_prefill needs prefill_chunk_size >= 1, got {self.prefill_chunk_size}")
+        _need_int("max_num_seqs", self.max_num_seqs, 1)
+        _need_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _need_int("max_waiting", self.max_waiting, 1)
+        _need_choice("policy", self.policy, POLICIES)
+        _need_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _need_choice("role", self.role, ROLES)
+        if self.prefill_chunk_size is not None:
+            if not self.split_prefill:
+                raise ValueError(
+                    f"prefill_chunk_size={self.prefill_chunk_size} needs split_prefill=True"
+                )
+            _need_int("prefill_chunk_size", self.prefill_chunk_size, 1)
             if self.prefill_chunk_size > self.max_num_batched_tokens:
                 raise ValueError(
                     f"prefill_chunk_size ({self.prefill_chunk_size}) must be <= "
                     f"max_num_batched_tokens ({self.max_num_batched_tokens})"
                 )
+        elif self.split_prefill:
+            object.__setattr__(self, "prefill_chunk_size", min(256, self.max_num_batched_tokens))
         if self.policy == "mixed" and not self.split_prefill:
-            raise ValueError("policy='mixed' requires split_prefill=True")
-        if self.policy == "mixed" and self.speculative is not None:
-            raise ValueError("policy='mixed' cannot be combined with speculative decoding")
-        if self.preemption_mode not in ("keep", "offload"):
-            raise ValueError(f"preemption_mode must be 'keep' or 'offload', got {self.preemption_mode!r}")
-        if self.role not in ("colocated", "prefill", "decode"):
-            raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+            raise ValueError("policy='mixed' requires split_prefill=True (got split_prefill=False)")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpecConfig):
+                raise ValueError(f"speculative must be a SpecConfig or None, got {self.speculative!r}")
+            if self.policy == "mixed":
+                raise ValueError(
+                    "speculative decoding is not supported with policy='mixed' "
+                    "(set speculative=None or choose another policy)"
+                )

@@ -1,66 +1,97 @@
-"""The scheduler's view of a request: lengths, loop bounds, lifecycle and pending work."""
+"""A request as the scheduler sees it: lengths and loop bounds in, lifecycle and progress kept."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from enum import Enum
 
-from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
-
-
-class Work(NamedTuple):
-    """One pending work item: what the next batch holding this request will run."""
-
-    key: WorkKey
-    op: Operation
-    positions: tuple[int, ...]
-    depth: int = 0
-    logits_positions: tuple[int, ...] = ()
-    draft: bool = False
-    verify: bool = False
+from loopserve.scheduler.types import Operation, RequestStatus
 
 
-@dataclass
-class SpecRound:
-    start: int  # position of the last accepted token (its prelude starts the round)
-    k: int  # positions in the round: start .. start + k - 1
-    drafted: int = 0  # draft codas done
-    unfinished: list[int] = field(default_factory=list)  # rows stopped at draft depth, not exited
-
-
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SchedRequest:
+    """What the engine tells the scheduler; no tokens. Lower priority value = more important."""
+
     request_id: str
     prompt_len: int
     max_tokens: int
     min_loops: int
     max_loops: int
-    priority: int = 0  # lower = more important
+    priority: int = 0
     arrival_time: float = 0.0
     greedy: bool = True
-    num_planes: int | None = None  # KV planes for looped layers (default: max_loops)
-    # --- runtime state (owned by the scheduler)
-    status: RequestStatus = RequestStatus.WAITING
-    num_output: int = 0
-    prefilled: int = 0  # prompt positions whose chunks are done
-    work: Work | None = None
-    in_flight: bool = False
-    aborted: bool = False
-    kv_ready: bool = False  # decode role: KV landed
-    snapshot: Work | None = None  # pending work saved at first suspension
-    offloaded: bool = False  # KV on host, blocks freed
-    offload_tokens: int = 0
-    spec: SpecRound | None = None
-    seq: int = 0  # arrival order, the FIFO tiebreak
+    num_planes: int | None = None  # looped-layer KV planes; None = max_loops (one per depth)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        for name, low in (("prompt_len", 1), ("max_tokens", 1), ("min_loops", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < low:
+                raise ValueError(f"{self.request_id}: {name} must be an integer >= {low}, got {v!r}")
+        if not isinstance(self.max_loops, int) or self.max_loops < self.min_loops:
+            raise ValueError(
+                f"{self.request_id}: max_loops ({self.max_loops!r}) must be an integer >= "
+                f"min_loops ({self.min_loops})"
+            )
+        if not isinstance(self.priority, int):
+            raise ValueError(f"{self.request_id}: priority must be an integer, got {self.priority!r}")
+        if self.num_planes is not None and (not isinstance(self.num_planes, int)
+                                            or not 1 <= self.num_planes <= self.max_loops):
+            raise ValueError(
+                f"{self.request_id}: num_planes must be in [1, max_loops ({self.max_loops})], "
+                f"got {self.num_planes!r}"
+            )
 
     @property
     def planes(self) -> int:
-        return self.num_planes or self.max_loops
+        """KV planes to allocate: one per depth, or fewer (e.g. Dory's last_loop KV: one)."""
+        return self.num_planes if self.num_planes is not None else self.max_loops
+
+
+class Unit(str, Enum):
+    """The rows a request is carrying through PRELUDE -> RECURRENT* -> CODA right now."""
+
+    ATOMIC = "atomic"  # the whole prompt (PROMPT_ATOMIC)
+    CHUNK = "chunk"  # one prefill chunk (PROMPT_PRELUDE, PROMPT_RECURRENT, DECODE_CODA)
+    DECODE = "decode"  # one decode token
+    SPEC = "spec"  # one self-speculation round (SPECULATIVE)
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """Mutable per-request state. Progress fields describe the current unit; the pending
+    WorkKey is a pure function of (unit, phase), so a suspended request resumes exactly
+    where it stopped and re-suspending it cannot lose or retake anything."""
+
+    request: SchedRequest
+    seq: int  # arrival order: FIFO tiebreak and the capacity-victim order
+    rank: int  # queue rank: the priority under the priority policy, else 0
+    status: RequestStatus = RequestStatus.WAITING
+    # progress
+    done: int = 0  # positions whose KV is complete (every plane, coda included)
+    n_out: int = 0  # output tokens produced
+    unit: Unit | None = None
+    phase: Operation = Operation.PRELUDE  # the Operation of the pending work
+    rows: tuple[int, ...] = ()  # the unit's positions (prompt units)
+    live: tuple[int, ...] = ()  # rows still looping
+    depth: int = 0  # last loop run by the live rows
+    cohort: int = 0  # batch id of the unit's last PRELUDE (no_refill)
+    spec_k: int = 0  # positions in the speculation round: done .. done + spec_k - 1
+    spec_j: int = 0  # draft tokens done in the round
+    spec_deep: tuple[int, ...] = ()  # round rows that stopped at draft depth, to verify deeper
+    verify: bool = False
+    # scheduling
+    ready_tick: int = 0  # when its pending work became ready (fairness across lanes)
+    in_flight: int = 0  # batch id holding it; 0 = none
+    offloaded_tokens: int = 0  # > 0: KV is on the host, covering this many positions
+    kv_landed: bool = False  # decode role: the KV read finished
+    num_preemptions: int = 0
+    request_id: str = field(init=False)  # copied out of `request`: read on every hot path
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
 
     @property
-    def total_tokens(self) -> int:
-        return self.prompt_len + self.max_tokens
-
-    @property
-    def next_decode_position(self) -> int:
-        return self.prompt_len + self.num_output - 1
+    def prompt_done(self) -> bool:
+        return self.done >= self.request.prompt_len

@@ -1,506 +1,494 @@
-"""The WorkKey scheduler: one single-Operation batch per step.
+"""The WorkKey scheduler: admission slots, queues keyed by WorkKey, one single-Operation batch
+per step.
 
-Lifecycle (RequestStatus) and pending work (WorkKey) are separate: a request has at most one
-pending WorkKey (the `pending` index), admission slots are a set of request ids, and
-`activate_request()` is the only way into ACTIVE.
+Three separate vocabularies: RequestStatus is lifecycle only, WorkKey is a request's one
+piece of pending work (the `queues.pending` index), Operation binds a batch to one model
+call. `admission_slots` is the set of requests holding an execution slot; it is independent
+of lifecycle: a request aborted while its batch is in flight is FINISHED at once but keeps
+its slot and blocks until that batch retires. `activate_request()` is the only way into
+ACTIVE (admission, PD handoff, resume after preemption).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
+from collections.abc import Iterator
 
-from loopserve.kv_cache import KVCacheManager
+from loopserve.kv_cache import KVCacheManager, KVCapacityError
 from loopserve.scheduler.batch import (
-    BatchItem,
     BatchResult,
-    ItemResult,
-    QueueFullError,
     ScheduledBatch,
     SchedulerOutput,
     UpdateEvents,
 )
 from loopserve.scheduler.config import SchedulerConfig
-from loopserve.scheduler.request import SchedRequest, SpecRound, Work
-from loopserve.scheduler.types import FIXED_OPERATION, Operation, RequestStatus, WorkKey
+from loopserve.scheduler.errors import QueueFullError
+from loopserve.scheduler.invariants import check_invariants
+from loopserve.scheduler.policy import CohortGate, Plan, order_plans
+from loopserve.scheduler.preemption import plan_victims
+from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan
+from loopserve.scheduler.queues import RankedFifo, WorkQueues
+from loopserve.scheduler.request import RequestState, SchedRequest
+from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 
-S, K, Op = RequestStatus, WorkKey, Operation
-PROMPT_KEYS = (K.PROMPT_ATOMIC, K.PROMPT_PRELUDE, K.PROMPT_RECURRENT)
+S = RequestStatus
+_request_id = operator.attrgetter("request_id")
+ADMISSION_SCAN = 64  # waiting requests looked at per step
+ADMISSION_BYPASS = 8  # how many may be admitted past a blocked one (so big requests still get in)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        if config.incremental_kv != kv_manager.incremental:
+            raise ValueError(
+                f"incremental_kv ({config.incremental_kv}) must match the KVCacheManager's "
+                f"incremental ({kv_manager.incremental})"
+            )
         self.config = config
-        self.kv = kv
-        self.requests: dict[str, SchedRequest] = {}
-        self.waiting: dict[str, None] = {}  # ordered: FIFO (priority policy sorts on admission)
-        self.queues: dict[WorkKey, dict[str, None]] = {k: {} for k in WorkKey}
-        self.pending: dict[str, WorkKey] = {}  # the one pending WorkKey of each request
+        self.kv = kv_manager
+        self.queues = WorkQueues()
+        self.waiting = RankedFifo()  # (rank, resumed first) then FIFO
         self.admission_slots: set[str] = set()
-        self.receiving: dict[str, None] = {}
-        self.transferring: set[str] = set()
-        self.cohort: set[str] = set()  # no_refill: the decode cohort now looping
-        self._batch_ids = itertools.count()
+        self._reqs: dict[str, RequestState] = {}
+        self._landed: dict[str, RequestState] = {}  # RECEIVING with KV landed, FIFO
+        self._inflight: dict[int, ScheduledBatch] = {}
+        self._gate = CohortGate() if config.policy == "no_refill" else None
+        self._served: dict[Plan, int] = {}
+        self._counts = {s: 0 for s in S}
         self._seq = itertools.count()
-        self._prompt_turn = False  # fairness: alternate prompt and decode batches
+        self._next_batch_id = 1
+        self._tick = 0
+        # per-step outputs
         self._swap_out: list = []
         self._swap_in: list = []
         self._preempted: list[str] = []
-        self._fresh: set[str] = set()  # got blocks this step: not evictable until the next
+        self._freed: list[str] = []
+        self._fresh: set[str] = set()  # got KV this step: never a victim in the same step
+        self._victim_order: list[RequestState] | None = None
         self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
 
-    # ------------------------------------------------------------------ queue primitives
-    def _push(self, req: SchedRequest, work: Work) -> None:
-        if req.request_id in self.pending:
-            raise RuntimeError(f"{req.request_id} already has pending work {self.pending[req.request_id]}")
-        req.work = work
-        self.pending[req.request_id] = work.key
-        self.queues[work.key][req.request_id] = None
-
-    def _pop(self, rid: str) -> Work:
-        key = self.pending.pop(rid, None)
-        if key is None:
-            raise RuntimeError(f"request {rid} selected twice or has no pending work")
-        del self.queues[key][rid]
-        work, self.requests[rid].work = self.requests[rid].work, None
-        return work
-
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ requests in
     def add_request(self, req: SchedRequest) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already scheduled")
+        """Queue a request (WAITING); QueueFullError beyond max_waiting."""
+        self._check_new(req)
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full (max_waiting={self.config.max_waiting})")
-        req.status, req.seq = S.WAITING, next(self._seq)
-        self.requests[req.request_id] = req
-        self.waiting[req.request_id] = None
-
-    def activate_request(self, req: SchedRequest) -> bool:
-        """The one path into ACTIVE: reserves an admission slot (admission, PD handoff, resume)."""
-        if len(self.admission_slots) >= self.config.max_num_seqs:
-            return False
-        self.admission_slots.add(req.request_id)
-        req.status = S.ACTIVE
-        return True
+            raise QueueFullError(
+                f"waiting queue is full ({len(self.waiting)} requests, max_waiting="
+                f"{self.config.max_waiting}); retry later"
+            )
+        st = self._new_state(req, S.WAITING)
+        self.waiting.add(st, self._waiting_rank(st))
 
     def add_receiving(self, req: SchedRequest, num_computed_tokens: int) -> bool:
-        """Decode role: blocks for a prefilled request, no slot until its KV lands."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already scheduled")
-        need = req.total_tokens if not self.config.incremental_kv else num_computed_tokens + 1
-        if not self.kv.allocate(req.request_id, need, req.planes):
+        """Decode role: blocks for a prefilled request whose KV is about to be read (RECEIVING,
+        no slot). False when the blocks are not free now (nothing is allocated)."""
+        if self.config.role != "decode":
+            raise ValueError(f"add_receiving needs role='decode', this scheduler is role={self.config.role!r}")
+        self._check_new(req)
+        p, n = req.prompt_len, num_computed_tokens
+        if not isinstance(n, int) or not p <= n <= p + req.max_tokens - 2:
+            raise ValueError(
+                f"{req.request_id}: num_computed_tokens must be in [prompt_len ({p}), prompt_len + "
+                f"max_tokens - 2 ({p + req.max_tokens - 2})], got {n!r}"
+            )
+        tokens = n if self.config.incremental_kv else self._lifetime_tokens(req)
+        if not self.kv.allocate(req.request_id, tokens, req.planes):
             return False
-        req.status, req.seq, req.num_output = S.RECEIVING, next(self._seq), 1
-        req.prefilled = req.prompt_len
-        self.requests[req.request_id] = req
-        self.receiving[req.request_id] = None
+        st = self._new_state(req, S.RECEIVING)
+        st.done, st.n_out = n, n - p + 1  # the first token was sampled on the prefill side
         return True
 
-    def kv_received(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and req.status is S.RECEIVING:
-            req.kv_ready = True
+    def kv_received(self, request_id: str) -> bool:
+        """Decode role: the KV landed; the request is activated when a slot is free."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            return False  # aborted meanwhile
+        if st.status is not S.RECEIVING:
+            raise ValueError(f"kv_received({request_id!r}): request is {st.status.value}, not RECEIVING")
+        st.kv_landed = True
+        self._landed[request_id] = st
+        return True
 
-    def transfer_done(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and req.status is S.TRANSFERRING:
-            self._finish(req)
+    def transfer_done(self, request_id: str) -> bool:
+        """Prefill role: the reader confirmed; FINISHED and blocks freed."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            return False
+        if st.status is not S.TRANSFERRING:
+            raise ValueError(f"transfer_done({request_id!r}): request is {st.status.value}, not TRANSFERRING")
+        self._finish(st)
+        return True
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        if req is None:
+        """Abort at any status. Resources of a request in flight go when its batch retires."""
+        st = self._reqs.get(request_id)
+        if st is None or st.status is S.FINISHED:
             return False
-        req.aborted = True
-        if request_id in self.pending:
-            self._pop(request_id)
-        self.waiting.pop(request_id, None)
-        self.receiving.pop(request_id, None)
-        if req.in_flight:  # resources go when the batch holding it retires
-            req.status = S.FINISHED
-        else:
-            self._finish(req)
+        if st.status is S.ACTIVE and request_id in self.queues:
+            self._unqueue(st)
+        elif st.status is S.WAITING:
+            self.waiting.remove(request_id, self._waiting_rank(st))
+        elif st.status is S.RECEIVING:
+            self._landed.pop(request_id, None)
+        self._set_status(st, S.FINISHED)
+        self.num_aborted += 1
+        if not st.in_flight:
+            self._release(st)
         return True
 
-    def _finish(self, req: SchedRequest) -> None:
-        rid = req.request_id
-        req.status = S.FINISHED
-        self.admission_slots.discard(rid)
-        self.transferring.discard(rid)
-        self.cohort.discard(rid)
-        self.kv.free(rid)
-        self.requests.pop(rid, None)
+    def _check_new(self, req: SchedRequest) -> None:
+        if not isinstance(req, SchedRequest):
+            raise ValueError(f"expected a SchedRequest, got {type(req).__name__}")
+        if req.request_id in self._reqs:
+            raise ValueError(f"request_id {req.request_id!r} is already scheduled")
+        tokens = self._lifetime_tokens(req)
+        if not self.kv.can_ever_fit(tokens, req.planes):
+            looped, flat = self.kv.blocks_needed(tokens, req.planes)
+            raise KVCapacityError(
+                f"request {req.request_id!r} needs {looped} looped and {flat} flat KV blocks "
+                f"({tokens} tokens x {req.planes} KV planes); the pools hold "
+                f"{self.kv.looped.num_blocks} looped and {self.kv.flat.num_blocks} flat blocks"
+            )
 
-    def get_request(self, request_id: str) -> SchedRequest | None:
-        return self.requests.get(request_id)
+    def _lifetime_tokens(self, req: SchedRequest) -> int:
+        """Full reservation: the prompt plus every output token (a prefill engine only the prompt)."""
+        return req.prompt_len if self.config.role == "prefill" else req.prompt_len + req.max_tokens
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    # ------------------------------------------------------------------ work construction
-    def _first_prompt_work(self, req: SchedRequest) -> Work:
-        if self.config.split_prefill:
-            end = min(req.prompt_len, req.prefilled + self.config.prefill_chunk_size)
-            return Work(K.PROMPT_PRELUDE, Op.PRELUDE, tuple(range(req.prefilled, end)))
-        return Work(K.PROMPT_ATOMIC, Op.PRELUDE, tuple(range(req.prompt_len)))
-
-    def _decode_work(self, req: SchedRequest) -> Work:
-        p = req.next_decode_position
-        spec = self.config.speculative
-        if spec is not None and req.greedy and self.config.role != "prefill":
-            k = min(spec.num_draft_tokens, req.max_tokens - req.num_output)
-            if k >= 2:
-                req.spec = SpecRound(start=p, k=k)
-                return Work(K.SPECULATIVE, Op.PRELUDE, (p,), draft=True)
-        return Work(K.DECODE_PRELUDE, Op.PRELUDE, (p,))
-
-    def _coda_work(self, req: SchedRequest, key: WorkKey, positions: tuple[int, ...]) -> Work | None:
-        """CODA after a prompt chunk's loops; None when the chunk needs no coda."""
-        last = positions[-1] == req.prompt_len - 1
-        if not self.config.coda_writes_kv:
-            if not last:
-                return None
-            positions = (positions[-1],)
-        ckey = K.PROMPT_ATOMIC if key is K.PROMPT_ATOMIC else K.DECODE_CODA
-        return Work(ckey, Op.CODA, positions, logits_positions=(req.prompt_len - 1,) if last else ())
-
-    # ------------------------------------------------------------------ result handling
-    def update(self, batch: ScheduledBatch, result: BatchResult) -> UpdateEvents:
-        """Retire a batch: advance every request's pending work from the engine's results."""
-        events = UpdateEvents()
-        for item in batch.items:
-            req = self.requests.get(item.request_id)
-            if req is None:
-                continue
-            req.in_flight = False
-            if req.aborted:
-                self._finish(req)
-                events.finished.append(req.request_id)
-                continue
-            res = result.items.get(item.request_id, ItemResult())
-            if batch.operation is Op.PRELUDE:
-                self._push(req, Work(self._recurrent_key(item.work_key), Op.RECURRENT, item.positions,
-                                     depth=1, draft=item.draft))
-            elif batch.operation is Op.RECURRENT:
-                self._after_loop(req, item, res)
-            else:
-                self._after_coda(req, item, res, events)
-        return events
+    def _new_state(self, req: SchedRequest, status: RequestStatus) -> RequestState:
+        rank = req.priority if self.config.policy == "priority" else 0
+        st = RequestState(req, next(self._seq), rank, status)
+        self._reqs[req.request_id] = st
+        self._counts[status] += 1
+        return st
 
     @staticmethod
-    def _recurrent_key(key: WorkKey) -> WorkKey:
-        return {K.PROMPT_PRELUDE: K.PROMPT_RECURRENT, K.DECODE_PRELUDE: K.DECODE_RECURRENT}.get(key, key)
+    def _waiting_rank(st: RequestState) -> tuple[int, int]:
+        return (st.rank, 0 if st.num_preemptions else 1)  # preempted requests resume first
 
-    def _after_loop(self, req: SchedRequest, item: BatchItem, res: ItemResult) -> None:
-        exited = set(res.exited)
-        left = tuple(p for p in item.positions if p not in exited)
-        if item.depth >= req.max_loops:
-            left = ()  # every row exits at max_loops
-        key = item.work_key
-        if item.draft and left and item.depth >= self.config.speculative.draft_loops:
-            req.spec.unfinished.extend(left)  # stops at draft depth, not a final exit
-            left = ()
-        if left:
-            self._push(req, Work(key, Op.RECURRENT, left, depth=item.depth + 1, draft=item.draft))
-            return
-        self.cohort.discard(req.request_id)
-        if key is K.SPECULATIVE:
-            p = item.positions[-1] if item.draft else req.spec.start
-            if item.draft:
-                self._push(req, Work(K.SPECULATIVE, Op.CODA, (p,), logits_positions=(p,), draft=True))
-            else:
-                self._push(req, self._verify_coda(req))
-        elif key in (K.PROMPT_ATOMIC, K.PROMPT_RECURRENT):
-            chunk = self._chunk_positions(req)
-            work = self._coda_work(req, key, chunk)
-            if work is None:
-                self._chunk_done(req, chunk)
-            else:
-                self._push(req, work)
+    # ------------------------------------------------------------------ lifecycle primitives
+    def activate_request(self, request_id: str) -> None:
+        """The only path to ACTIVE: reserve a slot and queue the request's pending work."""
+        st = self._reqs[request_id]
+        if st.status is S.WAITING:
+            rank = self._waiting_rank(st)
+        elif st.status is S.RECEIVING and st.kv_landed:
+            rank = None
         else:
-            p = item.positions[0]
-            self._push(req, Work(K.DECODE_CODA, Op.CODA, (p,), logits_positions=(p,)))
-
-    def _chunk_positions(self, req: SchedRequest) -> tuple[int, ...]:
-        if not self.config.split_prefill:
-            return tuple(range(req.prompt_len))
-        end = min(req.prompt_len, req.prefilled + self.config.prefill_chunk_size)
-        return tuple(range(req.prefilled, end))
-
-    def _verify_coda(self, req: SchedRequest) -> Work:
-        r = req.spec
-        pos = tuple(range(r.start, r.start + r.k))
-        return Work(K.SPECULATIVE, Op.CODA, pos, logits_positions=pos, verify=True)
-
-    def _chunk_done(self, req: SchedRequest, chunk: tuple[int, ...]) -> None:
-        req.prefilled = chunk[-1] + 1
-        if req.prefilled < req.prompt_len:
-            self._push(req, self._first_prompt_work(req))
-
-    def _after_coda(self, req: SchedRequest, item: BatchItem, res: ItemResult, events: UpdateEvents) -> None:
-        if item.work_key in PROMPT_KEYS or (item.work_key is K.DECODE_CODA and req.prefilled < req.prompt_len):
-            self._chunk_done(req, self._chunk_positions(req))
-            if req.prefilled < req.prompt_len:
-                return
-        elif item.draft:
-            r = req.spec
-            r.drafted += 1
-            if r.drafted < r.k:
-                p = r.start + r.drafted
-                self._push(req, Work(K.SPECULATIVE, Op.PRELUDE, (p,), draft=True))
-            elif r.unfinished:
-                rows = tuple(sorted(r.unfinished))
-                r.unfinished = []
-                self._push(req, Work(K.SPECULATIVE, Op.RECURRENT, rows,
-                                     depth=self.config.speculative.draft_loops + 1))
-            else:
-                self._push(req, self._verify_coda(req))
-            return
-        # a token was produced (the prompt's first, a decode token, or a verified run)
-        req.spec = None
-        req.num_output += max(1, len(res.sampled))
-        if res.finished or req.num_output >= req.max_tokens:
-            self._finish(req)
-            events.finished.append(req.request_id)
-        elif self.config.role == "prefill":
-            req.status = S.TRANSFERRING
-            self.admission_slots.discard(req.request_id)
-            self.transferring.add(req.request_id)
-            events.transferring.append(req.request_id)
+            raise RuntimeError(f"activate_request({request_id!r}): request is {st.status.value}")
+        if len(self.admission_slots) >= self.config.max_num_seqs:
+            raise RuntimeError(f"activate_request({request_id!r}): all {self.config.max_num_seqs} slots held")
+        if not self.kv.has(request_id):
+            raise RuntimeError(f"activate_request({request_id!r}): its KV is not resident")
+        if rank is None:
+            del self._landed[request_id]
         else:
-            self._push(req, self._decode_work(req))
+            self.waiting.remove(request_id, rank)
+        self.admission_slots.add(request_id)
+        self._set_status(st, S.ACTIVE)
+        if st.unit is None:
+            begin_unit(st, self.config)
+        self._push([st])
 
-    # ------------------------------------------------------------------ admission & preemption
-    def _kv_need(self, req: SchedRequest) -> int:
-        """Tokens to reserve at admission: the whole lifetime, or (incremental) the first chunk."""
-        if not self.config.incremental_kv:
-            return req.total_tokens
-        if self.config.split_prefill:
-            return min(req.prompt_len, req.prefilled + self.config.prefill_chunk_size)
-        return req.prompt_len
+    def _set_status(self, st: RequestState, status: RequestStatus) -> None:
+        self._counts[st.status] -= 1
+        self._counts[status] += 1
+        st.status = status
 
-    def _admit(self) -> None:
-        for rid in [r for r in self.receiving if self.requests[r].kv_ready]:
-            req = self.requests[rid]
-            if not self.activate_request(req):
-                break
-            del self.receiving[rid]
-            self._push(req, self._decode_work(req))
-        order = list(self.waiting)
-        if self.config.policy == "priority":
-            order.sort(key=lambda r: (self.requests[r].priority, self.requests[r].seq))
-            self._priority_preempt(order)
-        blocked = 0
-        for rid in order[: self.config.admission_scan]:
-            if len(self.admission_slots) >= self.config.max_num_seqs or blocked > self.config.admission_bypass:
-                break
-            req = self.requests[rid]
-            if not self._ensure_resident(req):
-                blocked += 1
-                continue
-            self.activate_request(req)
-            del self.waiting[rid]
-            work, req.snapshot = req.snapshot, None
-            self._push(req, work or self._first_prompt_work(req))
+    def _push(self, sts: list[RequestState]) -> None:
+        """Queue each request's pending work, ready now."""
+        tick = self._tick
+        keys = []
+        for st in sts:
+            st.ready_tick = tick
+            keys.append(WORK_KEY[st.unit][st.phase])
+        self.queues.push(sts, keys)
+        if self._gate is not None:
+            for st, key in zip(sts, keys):
+                if st.phase is Operation.RECURRENT:
+                    self._gate.enter(key, st.cohort)
 
-    def _ensure_resident(self, req: SchedRequest) -> bool:
-        """KV for a request being admitted or resumed (restoring an offloaded one)."""
-        if self.kv.has(req.request_id) and not req.offloaded:
-            return True
-        need = req.offload_tokens if req.offloaded else self._kv_need(req)
-        while not self.kv.allocate(req.request_id, need, req.planes):
-            if not self._capacity_preempt(req):
-                return False
-        if req.offloaded:
-            self._swap_in.append((req.request_id, self.kv.block_table(req.request_id).copy()))
-            req.offloaded = False
-        self._fresh.add(req.request_id)
-        return True
+    def _unqueue(self, st: RequestState) -> None:
+        """Drop pending work that will not run now (preemption, abort); batches use select()."""
+        key = self.queues.take(st)
+        if self._gate is not None and st.phase is Operation.RECURRENT:
+            self._gate.leave(key, st.cohort)
 
-    def _capacity_preempt(self, req: SchedRequest) -> bool:
-        """Offload the least important resident request ranked below `req` (priority, then
-        arrival). Ranking victims strictly below the requester rules out eviction ping-pong:
-        the top-ranked request can always run."""
-        rank = (req.priority, req.seq)
-        victims = [r for r in self.requests.values()
-                   if (r.priority, r.seq) > rank and not r.in_flight and not r.offloaded
-                   and r.request_id not in self._fresh  # KV moves of one step never cross
-                   and r.status in (S.ACTIVE, S.WAITING) and self.kv.has(r.request_id)]
-        if not victims:
-            return False
-        self._suspend(max(victims, key=lambda r: (r.priority, r.seq)), offload=True)
-        return True
+    def _finish(self, st: RequestState) -> None:
+        self._set_status(st, S.FINISHED)
+        self.num_finished += 1
+        self._release(st)
 
-    def _priority_preempt(self, order: list[str]) -> None:
-        if len(self.admission_slots) < self.config.max_num_seqs:
-            return
-        for rid in order[:1]:
-            cand = self.requests[rid]
-            running = [self.requests[r] for r in self.admission_slots
-                       if self.requests[r].status is S.ACTIVE and not self.requests[r].in_flight]
-            if not running:
-                return
-            worst = max(running, key=lambda r: (r.priority, r.seq))
-            if worst.priority > cand.priority:
-                self._suspend(worst, offload=self.config.preemption_mode == "offload")
+    def _release(self, st: RequestState) -> None:
+        """Give back slot and blocks and forget the request (nothing in flight holds it)."""
+        rid = st.request_id
+        self.admission_slots.discard(rid)
+        if self.kv.free(rid):
+            self._freed.append(rid)
+        self._counts[st.status] -= 1
+        del self._reqs[rid]
 
-    def _suspend(self, req: SchedRequest, offload: bool) -> None:
-        """Yield the slot (keeping the pending work as a snapshot) and optionally offload KV."""
-        rid = req.request_id
-        if req.status is S.ACTIVE:
-            if req.snapshot is None:
-                req.snapshot = self._pop(rid) if rid in self.pending else None
-            self.admission_slots.discard(rid)
-            self.cohort.discard(rid)
-            req.status = S.WAITING
-            self.waiting = {rid: None, **self.waiting}  # resumes first among its peers
-            self.num_preemptions += 1
-            self._preempted.append(rid)
-        if offload and self.kv.has(rid):
-            self._swap_out.append((rid, self.kv.block_table(rid).copy()))
-            req.offload_tokens = self.kv.capacity(rid)
-            req.offloaded = True
-            self.kv.free(rid)
+    def _suspend(self, st: RequestState) -> None:
+        """Preempt an ACTIVE request: its pending work stays in its progress fields (the
+        snapshot, taken once), it yields the slot and waits; KV stays unless offloaded."""
+        rid = st.request_id
+        self._unqueue(st)
+        self.admission_slots.discard(rid)
+        self._set_status(st, S.WAITING)
+        st.num_preemptions += 1
+        self.waiting.add(st, self._waiting_rank(st))
+        self._preempted.append(rid)
+        self.num_preemptions += 1
 
-    # ------------------------------------------------------------------ selection
+    def _offload(self, st: RequestState) -> None:
+        rid = st.request_id
+        self._swap_out.append((rid, self.kv.block_table(rid).copy()))
+        st.offloaded_tokens = self.kv.capacity(rid)
+        self.kv.free(rid)
+
+    # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        self._admit()
-        batch = self._select()
-        out = SchedulerOutput(batch, tuple(self._swap_out), tuple(self._swap_in), tuple(self._preempted))
-        self._swap_out, self._swap_in, self._preempted = [], [], []
+        """Admit/resume, then form one batch (None when no pending work can run)."""
+        self._tick += 1
         self._fresh.clear()
+        self._victim_order = None
+        self._admit()
+        batch = self._form_batch()
+        out = SchedulerOutput(batch, tuple(self._swap_out), tuple(self._swap_in),
+                              tuple(self._preempted), tuple(self._freed))
+        self._swap_out, self._swap_in, self._preempted, self._freed = [], [], [], []
         return out
 
-    def _candidates(self, keys: tuple[WorkKey, ...], op: Operation) -> list[str]:
-        rids = [r for k in keys for r in self.queues[k] if self.requests[r].work.op is op]
-        if self.config.policy == "priority":
-            rids.sort(key=lambda r: (self.requests[r].priority, self.requests[r].seq))
-        return rids
+    def update(self, batch: ScheduledBatch, result: BatchResult) -> UpdateEvents:
+        """Retire a batch: advance each request from the engine's results."""
+        if self._inflight.get(batch.batch_id) is not batch:
+            raise ValueError(f"batch {batch.batch_id} is not in flight (retired twice, or foreign)")
+        op, items, results, reqs = batch.operation, batch.items, result.items, self._reqs
+        if not all(map(results.__contains__, map(_request_id, items))):
+            missing = [i.request_id for i in items
+                       if i.request_id not in results and reqs[i.request_id].status is not S.FINISHED]
+            if missing:  # (an item aborted in flight needs no result)
+                raise ValueError(f"batch {batch.batch_id}: no result for {missing}")
+        if op is not Operation.PRELUDE:  # validate everything before changing anything
+            for item in items:  # (one sampled token, or no exits, needs no closer look)
+                res = results.get(item.request_id)
+                if res is not None and (res.exited or (item.logits_positions and (item.verify or len(res.sampled) != 1))):
+                    st = reqs[item.request_id]
+                    if st.status is not S.FINISHED:
+                        check_result(st, item, op, res)
+        del self._inflight[batch.batch_id]
+        self._tick += 1
+        events = UpdateEvents()
+        gate = self._gate if op is Operation.RECURRENT else None
+        after = AFTER[op]
+        cfg, bid = self.config, batch.batch_id
+        cont: list[RequestState] = []
+        finished, going_on = S.FINISHED, Outcome.CONTINUE
+        for item in items:
+            rid = item.request_id
+            st = reqs[rid]
+            st.in_flight = 0
+            if gate is not None:
+                gate.leave(item.work_key, st.cohort)
+            if st.status is finished:  # aborted while in flight
+                self._release(st)
+                continue
+            res = results[rid]
+            outcome = Outcome.FINISHED if res.finished else after(st, item, res, cfg, bid)
+            if outcome is going_on:
+                cont.append(st)
+            elif outcome is Outcome.FINISHED:
+                self._finish(st)
+                events.finished.append(rid)
+            else:
+                self.admission_slots.discard(rid)
+                self._set_status(st, S.TRANSFERRING)
+                events.transferring.append(rid)
+        self._push(cont)
+        return events
 
-    def _select(self) -> ScheduledBatch | None:
-        """The first plan that forms a batch; decode and prompt plans alternate when both exist."""
-        decode, prompt = self._decode_plans(), self._prompt_plans()
-        if decode and prompt:
-            self._prompt_turn = not self._prompt_turn
-            plans = prompt + decode if self._prompt_turn else decode + prompt
-        else:
-            plans = decode + prompt
-        for op, rids in plans:
-            batch = self._build(op, rids)
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        cfg, slots = self.config, self.admission_slots
+        while self._landed and len(slots) < cfg.max_num_seqs:
+            self.activate_request(next(iter(self._landed)))
+        if not self.waiting:
+            return
+        can_preempt = cfg.policy == "priority"
+        bypass_left: int | None = None
+        for st in list(itertools.islice(self.waiting, ADMISSION_SCAN)):
+            need_slot = len(slots) >= cfg.max_num_seqs
+            if need_slot and not can_preempt:
+                break
+            short = self._shortfall(st, self._admission_tokens(st))
+            if need_slot or short[0] > 0 or short[1] > 0:
+                if not (can_preempt and self._make_room(st, need_slot, short, admission=True)):
+                    can_preempt = False  # requests behind it rank no better: one failed dry run per step
+                    if need_slot:
+                        break
+                    bypass_left = ADMISSION_BYPASS if bypass_left is None else bypass_left
+                    continue
+            self._load_kv(st)
+            self.activate_request(st.request_id)
+            if bypass_left is not None:
+                bypass_left -= 1
+                if bypass_left == 0:
+                    break
+
+    def _admission_tokens(self, st: RequestState) -> int:
+        """Positions to hold before activation: nothing if resident, the offloaded run, the
+        whole lifetime (full reservation) or the first unit (incremental)."""
+        if self.kv.has(st.request_id):
+            return 0
+        if st.offloaded_tokens:
+            return st.offloaded_tokens
+        req = st.request
+        if not self.config.incremental_kv:
+            return self._lifetime_tokens(req)
+        return min(req.prompt_len, self.config.prefill_chunk_size or req.prompt_len)
+
+    def _shortfall(self, st: RequestState, tokens: int) -> tuple[int, int]:
+        """(looped, flat) blocks missing for `st` to cover `tokens` positions."""
+        rid = st.request_id
+        planes = st.request.planes
+        need_l, need_f = self.kv.blocks_needed(tokens, planes)
+        have_l, have_f = self.kv.blocks_needed(self.kv.capacity(rid), planes)
+        free_l, free_f = self.kv.num_free_blocks()
+        return max(0, need_l - have_l) - free_l, max(0, need_f - have_f) - free_f
+
+    def _load_kv(self, st: RequestState) -> None:
+        tokens = self._admission_tokens(st)
+        if not tokens:
+            return
+        rid = st.request_id
+        if not self.kv.allocate(rid, tokens, st.request.planes):
+            raise RuntimeError(f"{rid}: blocks vanished between the check and the allocation")
+        if st.offloaded_tokens:
+            self._swap_in.append((rid, self.kv.block_table(rid).copy()))
+            st.offloaded_tokens = 0
+        self._fresh.add(rid)
+
+    # ------------------------------------------------------------------ preemption
+    def _make_room(self, st: RequestState, need_slot: bool, short: tuple[int, int],
+                   admission: bool) -> bool:
+        """Preempt victims ranked below `st` so it gets a slot and/or `short` blocks.
+
+        Admission (priority policy) takes strictly lower-priority victims; KV growth takes
+        any resident request ranked below (priority, then arrival). A slot victim yields per
+        preemption_mode; victims whose blocks are needed are offloaded.
+        """
+        plan_ = plan_victims(self._victims_below(st, admission), self._resident_blocks, need_slot,
+                             short, self.config.preemption_mode == "offload")
+        if plan_ is None:
+            return False
+        if plan_.slot is not None:
+            self._suspend(plan_.slot)
+        for v in plan_.offload:
+            if v.status is S.ACTIVE:
+                self._suspend(v)
+            self._offload(v)
+        return True
+
+    def _victims_below(self, st: RequestState, admission: bool) -> Iterator[RequestState]:
+        """Eligible victims worse than `st`, worst first: not in flight, KV resident, not
+        given KV this step (its swap must not meet another in one step's moves)."""
+        if self._victim_order is None:  # sorted once per step, filtered as statuses change
+            self._victim_order = sorted(self._reqs.values(), key=lambda v: (v.rank, v.seq), reverse=True)
+        me = (st.rank, st.seq)
+        for v in self._victim_order:
+            if (v.rank, v.seq) <= me or (admission and v.rank <= st.rank):
+                return
+            if (v.status is S.ACTIVE and not v.in_flight) or v.status is S.WAITING:
+                rid = v.request_id
+                if rid not in self._fresh and self.kv.has(rid):
+                    yield v
+
+    def _resident_blocks(self, st: RequestState) -> tuple[int, int]:
+        t = self.kv.block_table(st.request_id)
+        return sum(len(p) for p in t.depth), len(t.flat)
+
+    def _grow(self, st: RequestState, tokens: int) -> bool:
+        """Incremental KV: cover `tokens` positions, preempting by capacity if blocks are short."""
+        rid = st.request_id
+        if self.kv.capacity(rid) >= tokens or self.kv.allocate(rid, tokens, st.request.planes):
+            return True
+        if not self._make_room(st, False, self._shortfall(st, tokens), admission=False):
+            return False
+        if not self.kv.allocate(rid, tokens, st.request.planes):
+            raise RuntimeError(f"{rid}: blocks vanished between the preemption and the allocation")
+        return True
+
+    # ------------------------------------------------------------------ batch forming
+    def _form_batch(self) -> ScheduledBatch | None:
+        for plan_ in order_plans(self.config.policy, self.queues, self._served):
+            batch = self._fill(plan_)
             if batch is not None:
+                self._served[plan_] = self._tick
+                self._inflight[batch.batch_id] = batch
                 return batch
         return None
 
-    def _decode_plans(self) -> list[tuple[Operation, list[str]]]:
-        dec = (K.DECODE_PRELUDE, K.DECODE_RECURRENT, K.DECODE_CODA, K.SPECULATIVE)
-        mixed = self.config.policy == "mixed"
-        plans = []
-        if mixed:
-            pr = self._candidates((K.PROMPT_RECURRENT,), Op.RECURRENT)
-            dr = self._candidates((K.DECODE_RECURRENT,), Op.RECURRENT)
-            if pr and dr:  # the mixed recurrent batch comes first
-                plans.append((Op.RECURRENT, dr + pr))
-        for op in (Op.CODA, Op.PRELUDE, Op.RECURRENT):
-            rids = self._candidates(dec, op)
-            if op is Op.RECURRENT and self.config.policy == "no_refill":
-                rids = self._cohort_filter(rids)
-            if mixed and op is not Op.CODA:
-                rids = rids + self._candidates((K.PROMPT_PRELUDE if op is Op.PRELUDE else K.PROMPT_RECURRENT,), op)
-            if rids:
-                plans.append((op, rids))
-        return plans
-
-    def _cohort_filter(self, rids: list[str]) -> list[str]:
-        spec_or_prompt = [r for r in rids if self.pending[r] is not K.DECODE_RECURRENT]
-        decode = [r for r in rids if self.pending[r] is K.DECODE_RECURRENT]
-        if not self.cohort:
-            self.cohort = set(decode)
-        return [r for r in decode if r in self.cohort] + spec_or_prompt
-
-    def _prompt_plans(self) -> list[tuple[Operation, list[str]]]:
-        if self.config.policy == "mixed":
-            return []  # prompt work rides in the decode plans' mixed batches
-        plans = []
-        for op in (Op.CODA, Op.RECURRENT, Op.PRELUDE):  # finish started prompts first
-            rids = self._candidates((K.PROMPT_ATOMIC,), op)
-            if self.config.split_prefill:
-                keys = {Op.PRELUDE: (K.PROMPT_PRELUDE,), Op.RECURRENT: (K.PROMPT_RECURRENT,), Op.CODA: ()}[op]
-                rids += self._candidates(keys, op)
-            if rids:
-                plans.append((op, rids))
-        return plans
-
-    def _build(self, op: Operation, rids: list[str]) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
-        items: list[BatchItem] = []
-        used = 0
-        for rid in rids:
-            if rid not in self.pending:  # suspended by a capacity preemption just now
-                continue
-            req = self.requests[rid]
-            work = req.work
-            n = len(work.positions)
-            if items and used + n > budget:
-                continue
-            if items and (work.key is K.PROMPT_ATOMIC) != (items[0].work_key is K.PROMPT_ATOMIC):
-                continue  # atomic prompts never share a batch with other work
-            need = work.positions[-1] + 1
-            if self.config.incremental_kv and need > self.kv.capacity(rid) and not self._grow(req, need):
-                continue
-            work = self._pop(rid)
-            req.in_flight = True
-            items.append(BatchItem(rid, work.key, work.positions, work.depth, work.logits_positions,
-                                   work.draft, work.verify))
-            used += n
+    def _fill(self, plan_: Plan) -> ScheduledBatch | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        op = plan_.operation
+        grow = cfg.incremental_kv and op is Operation.PRELUDE
+        batch_id = self._next_batch_id
+        items = []
+        active = S.ACTIVE
+        for lane in plan_.lanes:
+            key = lane[0]
+            cohort = self._gate.oldest(key) if self._gate is not None and op is Operation.RECURRENT else None
+            chosen = []
+            for st in self.queues.lanes[lane].snapshot():
+                if budget <= 0:
+                    break
+                if st.status is not active:  # preempted by an earlier item's KV growth
+                    continue
+                if cohort is not None and st.cohort != cohort:
+                    continue
+                item = plan(st, cfg, budget)
+                n = len(item.positions)
+                if n > budget and (items or key is not WorkKey.PROMPT_ATOMIC):
+                    continue  # only an atomic prompt may exceed the budget, alone
+                if grow and not self._grow(st, item.positions[-1] + 1):
+                    continue
+                st.in_flight = batch_id
+                chosen.append(st)
+                items.append(item)
+                budget -= n
+            if chosen:
+                self.queues.select(lane, chosen)
         if not items:
             return None
-        return ScheduledBatch(next(self._batch_ids), op, tuple(items))
-
-    def _grow(self, req: SchedRequest, num_tokens: int) -> bool:
-        while not self.kv.allocate(req.request_id, num_tokens, req.planes):
-            if not self._capacity_preempt(req):
-                return False
-        return True
+        self._next_batch_id += 1
+        return ScheduledBatch(batch_id, op, tuple(items))
 
     # ------------------------------------------------------------------ introspection
+    def get_request(self, request_id: str) -> RequestState | None:
+        return self._reqs.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs)
+
     def stats(self) -> dict:
-        count = lambda s: sum(1 for r in self.requests.values() if r.status is s)  # noqa: E731
+        c = self._counts
         return {
-            "num_waiting": len(self.waiting),
-            "num_running": count(S.ACTIVE),
-            "num_receiving": len(self.receiving),
-            "num_transferring": len(self.transferring),
+            "num_waiting": c[S.WAITING],
+            "num_running": c[S.ACTIVE],
+            "num_receiving": c[S.RECEIVING],
+            "num_transferring": c[S.TRANSFERRING],
             "num_slots": len(self.admission_slots),
+            "num_pending": len(self.queues),
+            "num_inflight_batches": len(self._inflight),
             "num_preemptions": self.num_preemptions,
-            "pending": {k.value: len(q) for k, q in self.queues.items() if q},
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "pending": {f"{k.value}/{o.value}": len(q) for (k, o), q in self.queues.lanes.items() if len(q)},
         }
 
     def assert_invariants(self) -> None:
-        c = self.config
-        assert len(self.admission_slots) <= c.max_num_seqs, "more slots than max_num_seqs"
-        for rid, req in self.requests.items():
-            if req.status is S.ACTIVE:
-                assert rid in self.admission_slots, f"ACTIVE {rid} holds no slot"
-            if req.status is S.WAITING:
-                assert rid in self.waiting and rid not in self.pending, f"WAITING {rid} outside the waiting queue"
-            if req.status is S.RECEIVING:
-                assert rid not in self.admission_slots and rid in self.receiving
-            if req.status is S.FINISHED:
-                assert req.in_flight, f"FINISHED {rid} not retired though nothing holds it"
-            if req.status is S.TRANSFERRING:
-                assert rid not in self.admission_slots and rid in self.transferring
-            if rid in self.pending:
-                work = req.work
-                assert work is not None and work.key is self.pending[rid] and req.status is S.ACTIVE
-                if work.key in FIXED_OPERATION:
-                    assert work.op is FIXED_OPERATION[work.key], f"{rid}: {work.key} bound to {work.op}"
-        for rid in self.admission_slots:
-            req = self.requests.get(rid)
-            assert req is not None and (req.status is S.ACTIVE or (req.status is S.FINISHED and req.in_flight)), \
-                f"slot held by {rid} in {getattr(req, 'status', None)}"
-        queued = sum(len(q) for q in self.queues.values())
-        assert queued == len(self.pending), "queue entries and pending index disagree"
-        for key, q in self.queues.items():
-            for rid in q:
-                assert self.pending.get(rid) is key, f"{rid} queued under {key} but indexed elsewhere"
-        self.kv.check()
-        if not self.requests:
-            assert not self.admission_slots and self.kv.usage().used_blocks == 0, "resources left at drain"
+        """The bookkeeping invariants (tests call this after every step); see invariants.py."""
+        check_invariants(self)

@@ -1,0 +1,39 @@
+"""Building schedulers and requests for the scheduler tests."""
+
+from __future__ import annotations
+
+from loopserve.kv_cache import KVCacheManager, KVLayout
+from loopserve.scheduler import Scheduler, SchedulerConfig, SchedRequest, SpecConfig
+from tests.scheduler.fake_engine import FakeEngine
+
+# One entry per policy (and the variants that change its work shapes).
+POLICY_CONFIGS: dict[str, dict] = {
+    "refill": {},
+    "no_refill": {"policy": "no_refill"},
+    "priority": {"policy": "priority"},
+    "priority-offload": {"policy": "priority", "preemption_mode": "offload"},
+    "mixed": {"policy": "mixed", "split_prefill": True, "prefill_chunk_size": 4},
+    "split-ouro": {"split_prefill": True, "prefill_chunk_size": 3, "coda_writes_kv": False},
+    "speculative": {"speculative": SpecConfig(3, 1)},
+}
+
+
+def make_scheduler(blocks: int = 200, block_size: int = 2, flat: bool = True,
+                   incremental: bool = False, **cfg) -> Scheduler:
+    layout = KVLayout(block_size, blocks, blocks if flat else 0, flat)
+    kv = KVCacheManager(layout, incremental=incremental)
+    return Scheduler(SchedulerConfig(incremental_kv=incremental, **cfg), kv)
+
+
+def add(engine: FakeEngine, i: int | str, prompt_len: int = 5, max_tokens: int = 4,
+        min_loops: int = 1, max_loops: int = 3, priority: int = 0, greedy: bool = True,
+        num_planes: int | None = None) -> str:
+    rid = i if isinstance(i, str) else f"r{i}"
+    engine.sched.add_request(SchedRequest(rid, prompt_len, max_tokens, min_loops, max_loops,
+                                          priority=priority, greedy=greedy, num_planes=num_planes))
+    engine.track(rid, prompt_len, max_tokens, min_loops, max_loops)
+    return rid
+
+
+def engine_for(seed: int = 0, finish_p: float = 0.0, max_lag: int = 1, **kw) -> FakeEngine:
+    return FakeEngine(make_scheduler(**kw), seed=seed, finish_p=finish_p, max_lag=max_lag)
