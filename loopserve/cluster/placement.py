@@ -5,9 +5,11 @@ An impossible placement fails before any worker starts, naming the group and the
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import loopserve
@@ -53,6 +55,30 @@ def plan(config: ClusterConfig) -> list[WorkerSpec]:
     return specs
 
 
+def pin_gpus(specs: Sequence[WorkerSpec]) -> list[WorkerSpec]:
+    """Plain processes: give each GPU worker its devices (CUDA_VISIBLE_DEVICES), as Ray would.
+
+    Workers are packed in order on a line of GPUs: [0, 0.5) and [0.5, 1) share GPU 0, two
+    workers of 1 GPU get GPUs 0 and 1, a whole-GPU worker starts on a fresh GPU. Indices go through the launcher's own
+    CUDA_VISIBLE_DEVICES when it has one.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else None
+    out, start = [], 0.0
+    for s in specs:
+        if s.num_gpus <= 0:
+            out.append(s)
+            continue
+        if s.num_gpus >= 1:  # whole GPUs: never straddle one that a fraction is using
+            start = math.ceil(start - 1e-9)
+        end = start + s.num_gpus
+        first, last = int(start + 1e-9), max(int(start + 1e-9), math.ceil(end - 1e-9) - 1)
+        gpus = [ids[i] if ids else str(i) for i in range(first, last + 1)]
+        out.append(replace(s, env={**s.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
+        start = end
+    return out
+
+
 def check_fit(specs: Sequence[WorkerSpec], nodes: Sequence[dict[str, float]],
               resources: Sequence[str] = ("GPU", "CPU")) -> None:
     """Raise PlacementError unless the workers' `resources` fit the nodes.
@@ -92,6 +118,7 @@ def launch(config: ClusterConfig) -> list[WorkerHandle]:
             RayWorkerHandle(s, config.ray.max_restarts, config.ray.max_concurrency) for s in specs]
     else:
         check_fit(specs, [local_node()], resources=("GPU",))  # processes share CPUs freely
+        specs = pin_gpus(specs)
         from loopserve.cluster.process_launcher import ProcessWorkerHandle
 
         handles = [ProcessWorkerHandle(s) for s in specs]

@@ -12,6 +12,7 @@ import os
 import pickle
 import secrets
 import threading
+import weakref
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -69,7 +70,9 @@ def _worker_main(spec: WorkerSpec, ready: Connection, authkey: bytes, parent_pid
     os.environ.update(spec.env)  # before torch / NIXL read them
     try:
         worker = worker_class(spec.role)(**spec.kwargs())
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # A deep backlog: with the default of 1, concurrent connects overflow the accept queue
+        # and wait for a SYN-ACK retransmit (1 s, then longer).
+        listener = Listener(("127.0.0.1", 0), authkey=authkey, backlog=128)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which raises it
         ready.send(("err", _portable(e)))
         return
@@ -94,7 +97,9 @@ class ProcessWorkerHandle(WorkerHandle):
         child.close()
         self._address: tuple[str, int] | None = None
         self._local = threading.local()
-        self._conns: list[Connection] = []
+        # Connections live in their thread's local storage and close when it ends; this only
+        # lets kill() close the ones still open.
+        self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._conns_lock = threading.Lock()
 
     def wait_ready(self, timeout: float) -> dict:
@@ -119,7 +124,7 @@ class ProcessWorkerHandle(WorkerHandle):
                 raise RuntimeError(f"worker {self.worker_id} is not ready (call wait_ready first)")
             conn = self._local.conn = Client(self._address, authkey=self._authkey)
             with self._conns_lock:
-                self._conns.append(conn)
+                self._conns.add(conn)
         return conn
 
     def _drop_conn(self) -> None:
@@ -146,9 +151,8 @@ class ProcessWorkerHandle(WorkerHandle):
 
     def kill(self) -> None:
         with self._conns_lock:
-            for conn in self._conns:
+            for conn in list(self._conns):
                 conn.close()
-            self._conns.clear()
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.terminate()

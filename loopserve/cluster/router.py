@@ -102,7 +102,8 @@ class Router:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._live: dict[str, str] = {}  # client id -> engine request id
-        self._uses: OrderedDict[str, int] = OrderedDict()
+        self._uses: OrderedDict[str, int] = OrderedDict()  # client id -> times used
+        self._token = uuid.uuid4().hex[:8]  # engine ids of reused client ids: "<id>#<token>-<n>"
         self._closed = False
         self._pumps: list[threading.Thread] = []
         self._calls = ThreadPoolExecutor(8, "loopserve-router")
@@ -149,7 +150,7 @@ class Router:
             accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt,
                                                params.to_dict())
         except asyncio.CancelledError:
-            self._calls.submit(self._abort_sync, st.request_id)
+            self._abort_later(st.request_id)
             raise
         except BaseException:
             with self._lock:
@@ -169,13 +170,11 @@ class Router:
                     return
         finally:
             if not finished:
-                self._calls.submit(self._abort_sync, st.request_id)
+                self._abort_later(st.request_id)
 
     def _open(self, client_id: str) -> _Stream:
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("request_id must be a non-empty string")
-        if "," in client_id:  # NIXL notifications carry comma-separated request ids
-            raise ValueError(f"request_id must not contain ',', got {client_id!r}")
         with self._lock:
             if self._closed:
                 raise NoWorkerError("the router is closed")
@@ -187,7 +186,7 @@ class Router:
             self._uses.move_to_end(client_id)
             while len(self._uses) > REUSE_MEMORY:
                 self._uses.popitem(last=False)
-            rid = client_id if n == 0 else f"{client_id}#{n}"
+            rid = client_id if n == 0 else f"{client_id}#{self._token}-{n}"
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id)
             self._streams[rid] = st
             self._live[client_id] = rid
@@ -214,6 +213,11 @@ class Router:
         best = max(healthy, key=lambda w: (w.free_blocks, -w.queue_depth, -w.sent))
         best.note_sent(blocks)
         return best
+
+    def _abort_later(self, request_id: str) -> None:
+        """Abort from a closing stream without waiting (it may be closed from a finalizer)."""
+        if not self._closed:
+            self._calls.submit(self._abort_sync, request_id)
 
     async def abort(self, client_id: str) -> bool:
         """Abort a live request on every engine holding it; its stream ends with 'abort'."""
@@ -329,9 +333,6 @@ class Router:
             pass
 
     # ------------------------------------------------------------------ introspection
-    def workers(self) -> list[WorkerHandle]:
-        return [w.handle for w in self._workers.values()]
-
     def stats(self) -> dict[str, dict]:
         """Every worker's stats (blocking; call from a thread)."""
         ws = list(self._workers.values())
@@ -344,6 +345,7 @@ class Router:
         return {w.id: {**h, "ok": bool(h.get("ok")) and w.healthy} for w, h in zip(ws, results)}
 
     def num_live(self) -> int:
+        """Streams still open (0 once every request finished, failed or was aborted)."""
         with self._lock:
             return len(self._streams)
 

@@ -40,20 +40,17 @@ class DecodeWorker(EngineHost):
         self._reading: dict[str, tuple[HandoffMessage, float, int]] = {}  # READ in flight: (msg, t0, bytes)
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
         self._next_heartbeat = 0.0
-        self._peers: dict[str, bytes] = {}  # prefill engine id -> its agent metadata
+        self._peers: dict[str, str] = {}  # prefill engine id -> its NIXL agent name
         self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
     def add_peer(self, info: dict) -> None:
-        """Handshake with a prefill worker; a repeat of the same handshake is a no-op."""
+        """Handshake with a prefill worker. Repeating it is a no-op (several routers may start
+        over the same workers); a restarted peer (new agent) replaces the old one."""
         with self._lock:
-            known = self._peers.get(info["engine_id"])
-            if known == info["agent_metadata"]:
+            if self._peers.get(info["engine_id"]) == info["agent_name"]:
                 return
-            if known is not None:
-                raise ValueError(f"peer {info['engine_id']!r} changed its NIXL agent (restarted); "
-                                 f"restart this decode worker to pair with it again")
             self.nixl.add_peer(info)
-            self._peers[info["engine_id"]] = info["agent_metadata"]
+            self._peers[info["engine_id"]] = info["agent_name"]
 
     def submit_handoff(self, message: HandoffMessage) -> bool:
         """Queue a prefilled request; False if it was aborted before it arrived."""
@@ -99,8 +96,8 @@ class DecodeWorker(EngineHost):
             rid = msg.request_id
             self.traces.record(rid, "RECEIVING")
             try:
-                nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table,
-                                              table.to_dict(), msg.num_kv_tokens)
+                nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
+                                              msg.num_kv_tokens)
             except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
                 self._release(msg)
                 self.engine.kv_failed(rid, f"KV read could not start: {e}")
@@ -145,11 +142,9 @@ class DecodeWorker(EngineHost):
         self.traces.record(request_id, "FINISHED")
 
     def _release(self, msg: HandoffMessage) -> None:
-        """Tell the prefill side it may free a handoff this worker will not read (best effort)."""
-        try:
-            self.nixl.notify(msg.prefill_engine_id, "release", [msg.request_id])
-        except Exception as e:  # noqa: BLE001 - the lease frees it later anyway
-            log.warning("%s: release of %s failed: %s", self.worker_id, msg.request_id, e)
+        """Tell the prefill side it may free a handoff this worker will not read (best effort:
+        if the note is lost, the unrenewed lease frees it)."""
+        self.nixl.notify(msg.prefill_engine_id, "release", [msg.request_id])
 
     def _heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat or not (self._inbox or self._reading):

@@ -234,7 +234,9 @@ class EngineCore:
                       arrival_time=h.arrival_time)
         for t in h.output_token_ids:  # replay the first token(s) into the detokenizer
             req.text += req.detok.add(t)
-        req._streamed_chars = len(req.text)
+        # The prefill side held back a possible stop-string prefix; stream it from here.
+        hold = max(map(len, params.stop)) - 1 if params.stop else 0
+        req._streamed_chars = max(0, len(req.text) - hold)
         req.output_token_ids = list(h.output_token_ids)
         req.first_token_time = h.first_token_time
         req.exit_depth = dict(enumerate(h.exit_depths))

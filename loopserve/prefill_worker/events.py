@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loopserve.engine.outputs import RequestOutput
+from loopserve.kv_transfer.messages import HandoffMessage
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,5 @@ class WorkerLoad:
 @dataclass
 class WorkerEvents:
     outputs: list[RequestOutput] = field(default_factory=list)
-    handoffs: list = field(default_factory=list)  # kv_transfer HandoffMessage (prefill side)
+    handoffs: list[HandoffMessage] = field(default_factory=list)  # prefill side
     load: WorkerLoad | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.outputs or self.handoffs)

@@ -17,6 +17,7 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.kv_transfer.messages import HandoffMessage
 from loopserve.prefill_worker.engine_lock import EngineLock
 from loopserve.prefill_worker.events import WorkerEvents, WorkerLoad
 from loopserve.prefill_worker.records import RecentIds, StatusTraces
@@ -37,9 +38,9 @@ class EngineHost:
         self.transfer = dict(transfer or {})
         self.engine = EngineCore(EngineConfig(**{**engine, "role": self.role}))
         self._lock = EngineLock()  # every engine (and NIXL agent) call
-        self._events_cv = threading.Condition()  # guards the buffers below, never held with _lock
+        self._events_cv = threading.Condition()  # the buffers below; taken after _lock, never before
         self._outputs: list[RequestOutput] = []
-        self._handoffs: list = []
+        self._handoffs: list[HandoffMessage] = []
         self._wake = threading.Event()
         self._accepted = 0
         self.traces = StatusTraces()
@@ -121,12 +122,11 @@ class EngineHost:
 
         False if the request was aborted before it arrived.
         """
-        sp = SamplingParams.from_dict(params)
         with self._lock:
-            self._check_healthy()
             if self._aborted_early.pop(request_id):
                 return False
-            self.engine.add_request(prompt, sp, request_id)
+            self._check_healthy()
+            self.engine.add_request(prompt, SamplingParams.from_dict(params), request_id)
             self._accepted += 1
             self._observe()
         self._wake.set()
@@ -202,6 +202,9 @@ class EngineHost:
             raise RuntimeError(f"worker {self.worker_id} failed: {self._error}")
 
     def shutdown(self) -> None:
+        """Stop the step loop and release the engine and KV agent; idempotent."""
+        if self._stop:
+            return
         self._stop = True
         self._wake.set()
         if self._thread.is_alive():

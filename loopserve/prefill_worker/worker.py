@@ -34,6 +34,7 @@ class PrefillWorker(EngineHost):
         self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
                                  self.engine.kv_compat())
         self.ledger = TransferLedger(lease_s=self.transfer.get("lease_s", 30.0))
+        self.leases_expired = 0
 
     def handshake_info(self) -> dict:
         with self._lock:
@@ -55,10 +56,16 @@ class PrefillWorker(EngineHost):
         expired = self.ledger.expired(now)
         for rid in expired:
             log.warning("%s: lease of %s expired unread; freeing its blocks", self.worker_id, rid)
+        self.leases_expired += len(expired)
         for rid in freed + expired:
             self.engine.transfer_done(rid)
             self.traces.record(rid, "FINISHED")
         return bool(freed or expired)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**super().stats(), "transferring": len(self.ledger),
+                    "leases_expired": self.leases_expired}
 
     def _transfers_pending(self) -> bool:
         return len(self.ledger) > 0

@@ -91,3 +91,23 @@ def test_job_entry_point_reports_bad_config(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "decode.num_cpu: unknown key" in r.stderr
+
+
+@pytest.mark.parametrize("gpus, visible, expect", [
+    ([0.5, 0.5], None, ["0", "0"]),
+    ([1, 1], None, ["0", "1"]),
+    ([2, 1], None, ["0,1", "2"]),
+    ([0.5, 1, 0.5], None, ["0", "1", "2"]),
+    ([0, 1], "3,5", [None, "3"]),
+    ([1, 1], "3,5", ["3", "5"]),
+])
+def test_process_launcher_pins_gpus(monkeypatch, gpus, visible, expect):
+    from loopserve.cluster.placement import pin_gpus
+    from loopserve.cluster.spec import WorkerSpec
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    specs = pin_gpus([WorkerSpec(f"w{i}", "prefill", {}, num_gpus=g) for i, g in enumerate(gpus)])
+    assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in specs] == expect

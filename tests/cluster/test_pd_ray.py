@@ -15,6 +15,7 @@ DECODE_TRACE = ["RECEIVING", "ACTIVE", "FINISHED"]
 
 def _check_run(router, prefill, decode, items):
     results = asyncio.run(run_workload(router, items))
+    assert router.num_live() == 0
     ref = colocated_reference(items)
     served = Counter()
     for it, res in zip(items, results):
