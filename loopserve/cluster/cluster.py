@@ -29,7 +29,8 @@ class Cluster:
             self.handles = launch(self.config)
             entry = [h for h in self.handles if h.role in ("prefill", "colocated")]
             decode = [h for h in self.handles if h.role == "decode"]
-            self.router = Router(entry, decode, poll_s=self.config.server.poll_s).start()
+            self.router = Router(entry, decode, poll_s=self.config.server.poll_s,
+                                 max_migrations=self.config.server.max_migrations).start()
         except BaseException:
             self.stop()
             raise

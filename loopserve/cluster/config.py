@@ -44,6 +44,9 @@ class TransferConfig(_Strict):
     lease_s: float = Field(30.0, gt=0)  # prefill frees a handoff's blocks if not renewed this long
     heartbeat_s: float = Field(1.0, gt=0)  # decode renews leases of handoffs it still has to read
     read_timeout_s: float = Field(30.0, gt=0)  # a READ not done by then fails the request
+    # Fault injection, for tests: decode workers hold each READ this long before posting it,
+    # so requests stay RECEIVING (decode) / TRANSFERRING (prefill) for a known time.
+    inject_read_delay_s: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> TransferConfig:
@@ -57,6 +60,7 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
+    max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
 
 
 def _default_engine() -> EngineConfig:

@@ -44,8 +44,8 @@ class WorkerHandle(ABC):
     def get_events(self, timeout: float) -> WorkerEvents:
         return self._call("get_events", timeout, timeout=timeout + 30)
 
-    def abort(self, request_id: str) -> bool:
-        return self._call("abort", request_id)
+    def abort(self, request_id: str, timeout: float = 10.0) -> bool:
+        return self._call("abort", request_id, timeout=timeout)  # bounded: the worker may hang
 
     def stats(self) -> dict:
         return self._call("stats")

@@ -4,6 +4,10 @@ worker, both chosen by load, and streams the request's outputs back to the calle
 One pump thread per worker long-polls `get_events` and dispatches everything new: outputs to
 their streams, handoffs to a decode worker. (Lease renewals and releases go from decode to
 prefill workers directly, as NIXL notifications.)
+When a worker dies, or a request ends in an engine-side error (a KV read failed or timed out,
+an engine crashed), the request migrates: it continues on a surviving worker from the tokens
+already streamed (`migration.py`), up to `max_migrations` times, and only then ends with an
+error; what survivors still hold of the old attempt is aborted at once.
 Streams are asyncio queues fed with `call_soon_threadsafe`, so a request's first token (from
 the prefill side) always precedes its decode tokens: the handoff is forwarded after the
 outputs of the same batch were queued.
@@ -20,13 +24,15 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
+from loopserve.cluster.migration import StreamHistory
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.prefill_worker.events import WorkerLoad
 from loopserve.prefill_worker.handoff import handoff_blocks
+from loopserve.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)
@@ -43,7 +49,10 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     entry: str
+    history: StreamHistory
     decode: str | None = None
+    decoding: bool = False  # the decode worker has streamed: the prefill side is done with it
+    avoid: set[str] = field(default_factory=set)  # workers an earlier attempt failed on
 
 
 class _WorkerState:
@@ -67,6 +76,11 @@ class _WorkerState:
         if self.pending:
             self.pending.pop()
 
+    def reset(self) -> None:
+        """A restarted worker counts its accepted submits from 0 again."""
+        self.sent = 0
+        self.pending.clear()
+
     def on_load(self, load: WorkerLoad) -> None:
         self.load = load
         self.healthy = load.healthy
@@ -86,7 +100,7 @@ class _WorkerState:
 
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.2, max_migrations: int = 2) -> None:
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -96,6 +110,7 @@ class Router:
             raise ValueError(f"without decode workers the entry workers must be colocated, "
                              f"got roles {sorted(roles)}")
         self.poll_s = poll_s
+        self.max_migrations = max_migrations
         self._entry = [_WorkerState(h) for h in entry]
         self._decode = [_WorkerState(h) for h in decode]
         self._workers = {w.id: w for w in self._entry + self._decode}
@@ -144,7 +159,7 @@ class Router:
         before the first output.
         """
         params = params or SamplingParams()
-        st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}")
+        st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
         entry = self._workers[st.entry]
         try:
             accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt,
@@ -152,11 +167,16 @@ class Router:
         except asyncio.CancelledError:
             self._abort_later(st.request_id)
             raise
-        except BaseException:
+        except (ValueError, QueueFullError):  # the request's fault, or backpressure: no retry
             with self._lock:
                 entry.unsend()
             self._forget(st)
             raise
+        except Exception as e:  # noqa: BLE001 - the worker died or failed: go elsewhere
+            with self._lock:
+                entry.unsend()
+            self._migrate(st.request_id, f"submit to {entry.id} failed: {e}", {entry.id})
+            accepted = True
         if not accepted:  # it was aborted while the submit travelled
             self._forget(st)
             return
@@ -172,7 +192,7 @@ class Router:
             if not finished:
                 self._abort_later(st.request_id)
 
-    def _open(self, client_id: str) -> _Stream:
+    def _open(self, client_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("request_id must be a non-empty string")
         with self._lock:
@@ -181,17 +201,22 @@ class Router:
             if client_id in self._live:
                 raise ValueError(f"request_id {client_id!r} is already in use")
             entry = self._pick_entry()
-            n = self._uses.get(client_id, 0)
-            self._uses[client_id] = n + 1
-            self._uses.move_to_end(client_id)
-            while len(self._uses) > REUSE_MEMORY:
-                self._uses.popitem(last=False)
-            rid = client_id if n == 0 else f"{client_id}#{self._token}-{n}"
-            st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id)
+            rid = self._engine_id(client_id)
+            st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
+                         StreamHistory(prompt, params))
             self._streams[rid] = st
             self._live[client_id] = rid
             entry.note_sent(0)
             return st
+
+    def _engine_id(self, client_id: str) -> str:
+        """A fresh engine-side id: the client's id the first time, then suffixed (lock held)."""
+        n = self._uses.get(client_id, 0)
+        self._uses[client_id] = n + 1
+        self._uses.move_to_end(client_id)
+        while len(self._uses) > REUSE_MEMORY:
+            self._uses.popitem(last=False)
+        return client_id if n == 0 else f"{client_id}#{self._token}-{n}"
 
     def _forget(self, st: _Stream) -> None:
         with self._lock:
@@ -200,14 +225,14 @@ class Router:
             if self._live.get(st.client_id) == st.request_id:
                 del self._live[st.client_id]
 
-    def _pick_entry(self) -> _WorkerState:
-        healthy = [w for w in self._entry if w.healthy]
+    def _pick_entry(self, avoid: set[str] = frozenset()) -> _WorkerState:
+        healthy = _preferred(self._entry, avoid)
         if not healthy:
             raise NoWorkerError(f"no healthy {self._entry[0].handle.role} worker")
         return min(healthy, key=lambda w: (w.queue_depth, -w.free_blocks, w.sent))
 
-    def _pick_decode(self, blocks: int) -> _WorkerState | None:
-        healthy = [w for w in self._decode if w.healthy]
+    def _pick_decode(self, blocks: int, avoid: set[str] = frozenset()) -> _WorkerState | None:
+        healthy = _preferred(self._decode, avoid)
         if not healthy:
             return None
         best = max(healthy, key=lambda w: (w.free_blocks, -w.queue_depth, -w.sent))
@@ -237,11 +262,53 @@ class Router:
             targets = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
         self._push(st, _final(st, reason, error))
         for w in targets:
-            try:
-                w.handle.abort(request_id)
-            except Exception as e:  # noqa: BLE001 - a dead worker holds nothing any more
-                log.warning("abort %s on %s failed: %s", request_id, w.id, e)
+            self._call_quietly(w, "abort", request_id)
         return True
+
+    # ------------------------------------------------------------------ migration
+    def _migrate(self, request_id: str, error: str, suspects: set[str]) -> None:
+        """Continue a failed attempt on a healthy entry worker, or end its stream with `error`."""
+        with self._lock:
+            st = self._streams.pop(request_id, None)
+            if st is None:  # finished, aborted or migrated already
+                return
+            old = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
+            st.avoid |= suspects
+            entry, why = None, f"after {st.history.migrations} migration(s)"
+            if self._closed:
+                why = "the router is closing"
+            elif st.history.migrations < self.max_migrations:
+                try:
+                    entry = self._pick_entry(st.avoid)
+                except NoWorkerError as e:
+                    why = str(e)
+            if entry is None:
+                if self._live.get(st.client_id) == request_id:
+                    del self._live[st.client_id]
+            else:
+                prompt, params = st.history.continuation()
+                st.request_id = self._engine_id(st.client_id)
+                st.entry, st.decode, st.decoding = entry.id, None, False
+                self._streams[st.request_id] = st
+                self._live[st.client_id] = st.request_id
+                entry.note_sent(0)
+        for w in old:  # survivors free the old attempt's blocks now (a dead one just fails)
+            self._calls.submit(self._call_quietly, w, "abort", request_id)
+        if entry is None:
+            self._push(st, _final(st, "error", f"{error} ({why})"))
+            return
+        log.warning("%s: %s; continuing on %s as %s after %d token(s)", st.client_id, error,
+                    entry.id, st.request_id, len(st.history.tokens))
+        self._calls.submit(self._resubmit, st, st.request_id, entry, prompt, params, error)
+
+    def _resubmit(self, st: _Stream, request_id: str, entry: _WorkerState, prompt, params,
+                  error: str) -> None:
+        try:
+            entry.handle.submit(request_id, prompt, params.to_dict())  # False: aborted meanwhile
+        except Exception as e:  # noqa: BLE001 - dead too, or full: try the next one
+            with self._lock:
+                entry.unsend()
+            self._migrate(request_id, f"{error}; then {entry.id} refused it: {e}", {entry.id})
 
     # ------------------------------------------------------------------ pumps
     def _pump(self, w: _WorkerState) -> None:
@@ -264,26 +331,33 @@ class Router:
             with self._lock:
                 w.on_load(ev.load)
             for out in ev.outputs:
-                self._deliver(out)
+                self._deliver(w, out)
             for msg in ev.handoffs:
                 self._route_handoff(w, msg)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, w: _WorkerState, out: RequestOutput) -> None:
         with self._lock:
             st = self._streams.get(out.request_id)
             if st is None:
                 return
-            if out.finished:
-                del self._streams[out.request_id]
-                if self._live.get(st.client_id) == out.request_id:
-                    del self._live[st.client_id]
+            failed = out.finished and out.finish_reason == "error"
+            if not failed:
+                st.decoding |= w.handle.role == "decode"
+                out = st.history.record(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+                    if self._live.get(st.client_id) == out.request_id:
+                        del self._live[st.client_id]
+        if failed:  # an engine-side failure (KV read, crashed engine): not the request's fault
+            self._migrate(out.request_id, out.error or "engine error", {w.id, st.entry})
+            return
         self._push(st, out)
 
     def _route_handoff(self, prefill: _WorkerState, msg) -> None:
         rid = msg.request_id
         with self._lock:
             st = self._streams.get(rid)
-            target = self._pick_decode(handoff_blocks(msg)) if st is not None else None
+            target = self._pick_decode(handoff_blocks(msg), st.avoid) if st is not None else None
             if target is not None:
                 st.decode = target.id
         if st is None:  # aborted meanwhile: let the prefill side free the blocks now
@@ -294,22 +368,29 @@ class Router:
             return
         try:
             accepted = target.handle.submit_handoff(msg)
-        except Exception as e:  # noqa: BLE001 - reported on the request's stream
-            accepted = False
-            self._abort_sync(rid, "error", f"handoff to {target.id} failed: {e}")
+        except Exception as e:  # noqa: BLE001 - the decode worker died or refused: try another
+            with self._lock:
+                target.unsend()
+            self._migrate(rid, f"handoff to {target.id} failed: {e}", {target.id})
+            return
         if not accepted:
             with self._lock:
                 target.unsend()
             self._call_quietly(prefill, "abort", rid)
 
     def _fail_worker(self, w: _WorkerState, error: str) -> None:
+        """Migrate every request the worker held (a prefill worker no longer holds those
+        whose decode side has started streaming)."""
         with self._lock:
             w.healthy = False
-            hit = [st.request_id for st in self._streams.values() if w.id in (st.entry, st.decode)]
+            hit = [st.request_id for st in self._streams.values()
+                   if st.decode == w.id or (st.entry == w.id and not st.decoding)]
         for rid in hit:
-            self._abort_sync(rid, "error", error)
+            self._migrate(rid, error, {w.id})
 
     def _rejoin(self, w: _WorkerState) -> None:
+        with self._lock:
+            w.reset()
         try:
             if w.handle.role == "prefill":
                 self._handshake(self._decode, [w])
@@ -348,6 +429,12 @@ class Router:
         """Streams still open (0 once every request finished, failed or was aborted)."""
         with self._lock:
             return len(self._streams)
+
+
+def _preferred(workers: list[_WorkerState], avoid: set[str]) -> list[_WorkerState]:
+    """Healthy workers, without those in `avoid` unless that leaves none."""
+    healthy = [w for w in workers if w.healthy]
+    return [w for w in healthy if w.id not in avoid] or healthy
 
 
 def _final(st: _Stream, reason: str, error: str | None) -> RequestOutput:

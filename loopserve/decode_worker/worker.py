@@ -36,6 +36,8 @@ class DecodeWorker(EngineHost):
                                  self.engine.kv_compat())
         self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
+        self.read_delay_s = self.transfer.get("inject_read_delay_s", 0.0)
+        self._held: dict[str, tuple[HandoffMessage, object, float]] = {}  # injected delay: (msg, table, due)
         self._inbox: deque[HandoffMessage] = deque()  # waiting for blocks
         self._reading: dict[str, tuple[HandoffMessage, float, int]] = {}  # READ in flight: (msg, t0, bytes)
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
@@ -67,7 +69,7 @@ class DecodeWorker(EngineHost):
     # ------------------------------------------------------------------ transfers
     def _poll_transfers(self) -> bool:
         now = time.monotonic()
-        placed = self._place_inbox(now)
+        placed = self._place_inbox(now) + self._post_held(now)
         done, failed = self.nixl.poll()
         for rid in done:
             self._read_finished(rid, None)
@@ -93,20 +95,30 @@ class DecodeWorker(EngineHost):
             if table is None:  # no blocks yet: retried next tick, the lease renewed meanwhile
                 break
             self._inbox.popleft()
-            rid = msg.request_id
-            self.traces.record(rid, "RECEIVING")
-            try:
-                nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
-                                              msg.num_kv_tokens)
-            except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
-                self._release(msg)
-                self.engine.kv_failed(rid, f"KV read could not start: {e}")
-                self.traces.record(rid, "FINISHED")
-                continue
-            self.tracker.start(rid, now)
-            self._reading[rid] = (msg, now, nbytes)
-            placed += 1
+            self.traces.record(msg.request_id, "RECEIVING")
+            if self.read_delay_s:
+                self._held[msg.request_id] = (msg, table, now + self.read_delay_s)
+            else:
+                placed += self._start_read(msg, table, now)
         return placed
+
+    def _post_held(self, now: float) -> int:
+        due = [rid for rid, (_, _, t) in self._held.items() if t <= now]
+        return sum(self._start_read(*self._held.pop(rid)[:2], now) for rid in due)
+
+    def _start_read(self, msg: HandoffMessage, table, now: float) -> bool:
+        rid = msg.request_id
+        try:
+            nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
+                                          msg.num_kv_tokens)
+        except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
+            self._release(msg)
+            self.engine.kv_failed(rid, f"KV read could not start: {e}")
+            self.traces.record(rid, "FINISHED")
+            return False
+        self.tracker.start(rid, now)
+        self._reading[rid] = (msg, now, nbytes)
+        return True
 
     def _read_finished(self, request_id: str, error: str | None) -> None:
         entry = self._reading.pop(request_id, None)
@@ -151,7 +163,8 @@ class DecodeWorker(EngineHost):
             return
         self._next_heartbeat = now + self.heartbeat_s
         renew: dict[str, list[str]] = {}
-        waiting = [*self._inbox, *(m for m, _, _ in self._reading.values())]
+        waiting = [*self._inbox, *(m for m, _, _ in self._held.values()),
+                   *(m for m, _, _ in self._reading.values())]
         for msg in waiting:
             if msg.request_id not in self._dropped:
                 renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
@@ -159,7 +172,7 @@ class DecodeWorker(EngineHost):
             self.nixl.notify(peer, "renew", ids)
 
     def _transfers_pending(self) -> bool:
-        return bool(self._inbox or self._reading)
+        return bool(self._inbox or self._held or self._reading)
 
     def _unplaced(self) -> tuple[int, int]:
         return len(self._inbox), sum(handoff_blocks(m) for m in self._inbox)
@@ -171,6 +184,9 @@ class DecodeWorker(EngineHost):
                 self._release(self._reading[request_id][0])
                 self.traces.record(request_id, "FINISHED")
             return True
+        if request_id in self._held:  # no READ posted: its blocks can go at once
+            self._release(self._held.pop(request_id)[0])
+            return super()._abort_locked(request_id)
         for msg in self._inbox:
             if msg.request_id == request_id:
                 self._inbox.remove(msg)
@@ -182,7 +198,8 @@ class DecodeWorker(EngineHost):
     def stats(self) -> dict:
         with self._lock:
             return {**super().stats(), "kv_reads": dict(self.reads),
-                    "inbox": len(self._inbox), "reading": len(self._reading)}
+                    "inbox": len(self._inbox), "held": len(self._held),
+                    "reading": len(self._reading)}
 
     def _close_transfers(self) -> None:
         self.nixl.close()

@@ -240,6 +240,7 @@ class EngineCore:
         req.output_token_ids = list(h.output_token_ids)
         req.first_token_time = h.first_token_time
         req.exit_depth = dict(enumerate(h.exit_depths))
+        req._prompt_sent = True  # the prefill side's first output carried it
         if not self.scheduler.add_receiving(self._sched_request(req), h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req

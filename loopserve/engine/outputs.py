@@ -21,6 +21,7 @@ class RequestOutput:
     token_times: tuple[float, ...] = ()
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_token_ids: tuple[int, ...] | None = None  # on a request's first output only
 
 
 @dataclass

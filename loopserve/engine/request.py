@@ -32,6 +32,7 @@ class Request:
     _new_logprobs: list[float] = field(default_factory=list)
     _new_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     _streamed_chars: int = 0
+    _prompt_sent: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -103,7 +104,9 @@ class Request:
             token_times=tuple(self._new_times),
             num_prompt_tokens=self.prompt_len,
             num_output_tokens=len(self.output_token_ids),
+            prompt_token_ids=None if self._prompt_sent else tuple(self.prompt_token_ids),
         )
+        self._prompt_sent = True
         self._new_tokens, self._new_depths, self._new_times = [], [], []
         self._new_logprobs, self._new_top = [], []
         return out

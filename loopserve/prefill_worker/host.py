@@ -10,6 +10,7 @@ or plain-process RPC), so arguments and results are plain picklable values.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
 
@@ -182,7 +183,7 @@ class EngineHost:
     def health(self) -> dict:
         alive = self._thread.is_alive()
         ok = self._error is None and alive
-        return {"worker_id": self.worker_id, "role": self.role, "ok": ok,
+        return {"worker_id": self.worker_id, "role": self.role, "ok": ok, "pid": os.getpid(),
                 "error": self._error or (None if alive else "step loop not running")}
 
     def trace(self, request_id: str) -> list[str]:
