@@ -8,7 +8,9 @@ from collections import OrderedDict
 class StatusTraces:
     """The distinct lifecycle statuses each request went through, in order (for tests and ops).
 
-    Only changes are recorded; the oldest requests are forgotten beyond `limit`.
+    Only changes are recorded; FINISHED is terminal (a request the caller already has a final
+    output for may still hold blocks a moment, e.g. under a late READ). The oldest requests
+    are forgotten beyond `limit`.
     """
 
     def __init__(self, limit: int = 4096) -> None:
@@ -21,7 +23,7 @@ class StatusTraces:
             trace = self._traces[request_id] = []
             while len(self._traces) > self.limit:
                 self._traces.popitem(last=False)
-        if not trace or trace[-1] != status:
+        if not trace or trace[-1] not in (status, "FINISHED"):
             trace.append(status)
 
     def get(self, request_id: str) -> list[str]:

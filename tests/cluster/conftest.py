@@ -7,8 +7,13 @@ router may pump a worker at a time: every test closes its router.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import tempfile
+import threading
+import time
+from dataclasses import replace
 
 import pytest
 
@@ -16,8 +21,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from loopserve.cluster.cluster import wait_idle  # noqa: E402
 from loopserve.cluster.config import load_cluster_config  # noqa: E402
-from loopserve.cluster.placement import launch, stop_all  # noqa: E402
+from loopserve.cluster.placement import launch, plan, stop_all  # noqa: E402
 from loopserve.cluster.router import Router  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
 from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -53,12 +59,74 @@ def pd_workers(ray_cluster):
     stop_all(handles)
 
 
+FAULT_TRANSFER = {"lease_s": 20, "heartbeat_s": 0.3, "read_timeout_s": 3, "inject_read_delay_s": 1.0}
+
+
+@pytest.fixture(scope="session")
+def fault_workers(ray_cluster):
+    """{'prefill': [fp0, fp1], 'decode': [fd0, fd1]}: Ray workers the fault tests may kill
+    (Ray restarts them), with every KV READ held for 1 s so requests sit in RECEIVING /
+    TRANSFERRING, and prefill engines that admit one request at a time in 4-token chunks."""
+    from loopserve.cluster.ray_launcher import RayWorkerHandle
+
+    cfg = pd_config(transfer=FAULT_TRANSFER, prefill={"num_workers": 2, "engine": {
+        "max_num_seqs": 1, "split_prefill": True, "prefill_chunk_size": 4}})
+    specs = [replace(s, worker_id=f"f{s.worker_id}", num_cpus=0.5) for s in plan(cfg)]
+    handles = [RayWorkerHandle(s, max_restarts=8) for s in specs]
+    for h in handles:
+        h.wait_ready(120)
+    yield {role: [h for h in handles if h.role == role] for role in ("prefill", "decode")}
+    stop_all(handles)
+
+
+@pytest.fixture(autouse=True)
+def pools_back_to_baseline(request):
+    """(d) of the issue: after every test on shared workers, every pool's accounting holds
+    (free + used == total) and no block is held once the workers are idle."""
+    yield
+    for name in ("pd_workers", "fault_workers"):
+        if name in request.fixturenames:
+            handles = [h for hs in request.getfixturevalue(name).values() for h in hs]
+            usage = wait_idle(handles, timeout=60)
+            assert all(u[p]["used"] == 0 for u in usage.values() for p in ("looped", "flat")), usage
+
+
+@contextlib.contextmanager
+def serving(router):
+    """A real gRPC server over `router` on a free port, in its own event loop; yields a client."""
+    from loopserve.cluster.client import LoopServeClient
+    from loopserve.cluster.server import Server
+
+    loop = asyncio.new_event_loop()
+    server = Server(router, "127.0.0.1", 0)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    client = LoopServeClient(server.address)
+    try:
+        yield client
+    finally:
+        client.close()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def until(cond, timeout: float = 30.0, what: str = "condition"):
+    """Poll `cond` until it returns something truthy (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.02)
+    return got
+
+
 @pytest.fixture
 def make_router():
     routers = []
 
-    def make(entry, decode=()):
-        r = Router(entry, decode, poll_s=0.1).start()
+    def make(entry, decode=(), **kw):
+        r = Router(entry, decode, poll_s=0.1, **kw).start()
         routers.append(r)
         return r
 

@@ -2,47 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-
 import grpc
 import pytest
 
-from loopserve.cluster.client import LoopServeClient
 from loopserve.cluster.cluster import wait_idle
-from loopserve.cluster.server import SERVICE, Server
+from loopserve.cluster.server import SERVICE
 from loopserve.cluster.workload import WorkItem
 from loopserve.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import colocated_reference
+from tests.cluster.conftest import colocated_reference, serving, until
 
 
 @pytest.fixture(scope="module")
 def served(pd_workers):
-    """(client, prefill handle, decode handle): a server on a free port, in its own event loop."""
+    """(client, prefill handle, decode handle): a server over a 1P1D router."""
     from loopserve.cluster.router import Router
 
     p, d = pd_workers["prefill"][0], pd_workers["decode"][0]
     router = Router([p], [d], poll_s=0.1).start()
-    loop = asyncio.new_event_loop()
-    server = Server(router, "127.0.0.1", 0)
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    client = LoopServeClient(server.address)
-    yield client, p, d
-    client.close()
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with serving(router) as client:
+        yield client, p, d
     router.close()
-
-
-def _until(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_stream_first_token_then_decode_tokens(served):
@@ -67,7 +46,7 @@ def test_cancel_aborts_on_both_engines(served):
     got = [next(call), next(call)]  # the second chunk comes from the decode side
     assert all(r.WhichOneof("response") == "chunk" for r in got)
     call.cancel()
-    _until(lambda: d.trace("g-cancel")[-1:] == ["FINISHED"])
+    until(lambda: d.trace("g-cancel")[-1:] == ["FINISHED"])
     assert p.trace("g-cancel") == ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
     assert d.trace("g-cancel") == ["RECEIVING", "ACTIVE", "FINISHED"]
     assert d.stats()["counters"]["requests_aborted"] == aborted_before + 1
@@ -83,7 +62,7 @@ def test_cancel_right_after_first_token_leaves_nothing(served):
         next(call)
         call.cancel()
     for i in range(3):
-        _until(lambda: p.trace(f"g-qc{i}")[-1:] == ["FINISHED"])
+        until(lambda: p.trace(f"g-qc{i}")[-1:] == ["FINISHED"])
     wait_idle([p, d])
 
 
@@ -164,7 +143,7 @@ def test_request_id_in_use_then_reusable(served):
         list(client.stream("second", params, "g-dup"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()
     live.cancel()
-    _until(lambda: not client.abort("g-dup"))  # no longer live
+    until(lambda: not client.abort("g-dup"))  # no longer live
     again = list(client.generate("third", SamplingParams(max_tokens=3), "g-dup"))
     assert again[-1].kind == "complete" and again[-1].completion_tokens == 3
     assert all(e.request_id == "g-dup" for e in again)
