@@ -38,6 +38,7 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = False
     role: Literal["colocated", "prefill", "decode"] = "colocated"
     max_waiting: int = Field(4096, ge=1)
+    cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

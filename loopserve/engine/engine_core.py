@@ -74,6 +74,9 @@ class EngineCore:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.runner.use_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size),
+                                   capture=True)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._ids = itertools.count()

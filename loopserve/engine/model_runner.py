@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
@@ -27,6 +28,26 @@ class ModelRunner:
                                layout.num_flat_blocks, dtype, device)
         self.states = StateStore(model.state_dim, dtype, device)
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: bool) -> None:
+        """Run decode-shaped batches through DecodeGraphs (capture=False: the padded path,
+        eagerly, e.g. on CPU)."""
+        self.graphs = DecodeGraphs(max_batch, max_blocks_per_seq, self.layout.block_size,
+                                   self.model.state_dim, self.states.dtype, self.device, capture)
+
+    def _forward(self, mb: ModelBatch, state: LoopState | None):
+        """The batch's Operation on the model, replayed from a graph where one applies."""
+        op = mb.operation
+        if op is Operation.PRELUDE:
+            fn = lambda b, _s: self.model.prelude(b, self.kv)  # noqa: E731
+        elif op is Operation.RECURRENT:
+            fn = lambda b, s: self.model.recurrent(b, s, self.kv)  # noqa: E731
+        else:
+            fn = lambda b, s: self.model.coda(b, s, self.kv)  # noqa: E731
+        if self.graphs is not None and self.graphs.applies(mb):
+            return self.graphs.run(mb, state, fn)
+        return fn(mb, state)
 
     # ------------------------------------------------------------------ KV housekeeping
     def apply_kv_moves(self, swap_out: tuple, new_blocks: tuple[list[int], list[int]],
@@ -107,14 +128,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prelude(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable]) -> None:
         mb = self._batch(batch, reqs, tables, with_tokens=True)
-        self._scatter_state(batch, self.model.prelude(mb, self.kv))
+        self._scatter_state(batch, self._forward(mb, None))
 
     @torch.inference_mode()
     def recurrent(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                   draft_loops: int) -> dict[str, tuple[int, ...]]:
         """One loop for every row; returns, per request, the positions that made their final exit."""
         mb = self._batch(batch, reqs, tables)
-        state, score = self.model.recurrent(mb, self._gather_state(batch), self.kv)
+        state, score = self._forward(mb, self._gather_state(batch))
         self._scatter_state(batch, state)
         lo, hi, thr = [], [], []
         for item in batch.items:
@@ -150,7 +171,7 @@ class ModelRunner:
              tables: dict[str, BlockTable]) -> dict[str, torch.Tensor | None]:
         """Coda for every row (writes coda KV); logits of each item's logits_positions."""
         mb = self._batch(batch, reqs, tables)
-        logits = self.model.coda(mb, self._gather_state(batch), self.kv)
+        logits = self._forward(mb, self._gather_state(batch))
         out: dict[str, torch.Tensor | None] = {}
         row = 0
         for item in batch.items:

@@ -89,3 +89,22 @@ def test_rejects_bad_input():
         attn.forward(case.q[:1], case.k[:1], case.v[:1], cache3, meta3, case.scale)
     with pytest.raises(ValueError, match="kv_splits=0 must be in"):
         TritonAttention(kv_splits=0)
+
+
+@pytest.mark.parametrize("write", ["triton", "torch"])
+def test_padding_rows_with_slot_minus_one_write_nothing(write):
+    """CUDA-graph batches pad with slot -1 rows: both KV writers skip them."""
+    from dataclasses import replace
+
+    from loopserve.model.attention.base import write_kv
+    from loopserve.model.attention.triton_kv_write import triton_write_kv
+
+    torch.manual_seed(0)
+    cache = torch.randn(6, 2, 4, 2, 8)
+    meta = build_attn_metadata([0, 1, 2], [1, 5, 0], [[3], [1, 2], [4]], 4, torch.device("cpu"))
+    meta = replace(meta, slot_mapping=torch.tensor([13, -1, -1]))
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    want = cache.clone()
+    want[3, 0, 1], want[3, 1, 1] = k[0], v[0]
+    (triton_write_kv if write == "triton" else write_kv)(cache, meta, k, v)
+    assert torch.equal(cache, want)

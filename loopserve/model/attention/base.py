@@ -21,7 +21,11 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-    bs = meta.block_size
-    blk, off = meta.slot_mapping // bs, meta.slot_mapping % bs
+    """Rows with slot -1 (padding of a CUDA-graph batch) write nothing."""
+    bs, slots = meta.block_size, meta.slot_mapping
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    blk, off = slots // bs, slots % bs
     cache[blk, 0, off] = k.to(cache.dtype)
     cache[blk, 1, off] = v.to(cache.dtype)

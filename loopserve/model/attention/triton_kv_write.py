@@ -1,7 +1,8 @@
 """Triton slot write: k, v rows -> their slots in a strided paged cache view, in one launch.
 
 `write_kv` (torch) needs two index_put launches plus the div/mod of the slot mapping; this
-does all of it in one program per row, for any strides of the block-major pool view.
+does all of it in one program per row, for any strides of the block-major pool view. Rows
+with slot -1 (padding of a CUDA-graph batch) write nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _write_kv_kernel(K, V, Cache, Slots,
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < HKV)[:, None] & (d < HEAD_D)[None, :]
+    live = (h < HKV) & ((h * 0 + slot) >= 0)  # slot -1: a padding row
+    mask = live[:, None] & (d < HEAD_D)[None, :]
     dst = Cache + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_off + h[:, None] * sc_h + d[None, :] * sc_d
     k = tl.load(K + t * sk_t + h[:, None] * sk_h + d[None, :] * sk_d, mask=mask)
     v = tl.load(V + t * sv_t + h[:, None] * sv_h + d[None, :] * sv_d, mask=mask)
