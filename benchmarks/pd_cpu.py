@@ -27,7 +27,8 @@ def run_mode(mode: str, args) -> tuple[dict, list, dict]:
     engine = {"model": args.model, "block_size": 16, "num_blocks": 4096, "max_model_len": 1024,
               "max_num_seqs": 64}
     cfg = load_cluster_config({"mode": mode, "launcher": args.launcher, "engine": engine,
-                               "ray": {"num_cpus": 4}})
+                               "ray": {"num_cpus": 4},
+                               "transfer": {"progress_thread": args.progress_thread}})
     with Cluster(cfg) as cluster:
         warm = make_workload(4, seed=args.seed + 1, max_tokens=4)
         asyncio.run(run_workload(cluster.router, warm))
@@ -88,6 +89,8 @@ def main() -> int:
     p.add_argument("--model", default="tiny-ouro")
     p.add_argument("--launcher", choices=["process", "ray"], default="process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress-thread", action="store_true",
+                   help="one UCX progress thread per NIXL agent (spins a core) instead of the step loop")
     p.add_argument("--png", type=Path, default=Path("out/pd_cpu_latency_cdf.png"))
     args = p.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -44,6 +44,9 @@ class TransferConfig(_Strict):
     lease_s: float = Field(30.0, gt=0)  # prefill frees a handoff's blocks if not renewed this long
     heartbeat_s: float = Field(1.0, gt=0)  # decode renews leases of handoffs it still has to read
     read_timeout_s: float = Field(30.0, gt=0)  # a READ not done by then fails the request
+    # One UCX progress thread per NIXL agent spins a CPU core; off, each worker's step loop
+    # drives NIXL itself every tick (what CPU clusters want; on GPU hosts cores are plenty).
+    progress_thread: bool = False
     # Fault injection, for tests: decode workers hold each READ this long before posting it,
     # so requests stay RECEIVING (decode) / TRANSFERRING (prefill) for a known time.
     inject_read_delay_s: float = Field(0.0, ge=0)

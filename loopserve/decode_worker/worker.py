@@ -33,7 +33,8 @@ class DecodeWorker(EngineHost):
 
     def _setup_transfers(self) -> None:
         self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
-                                 self.engine.kv_compat())
+                                 self.engine.kv_compat(),
+                                 progress_thread=self.transfer.get("progress_thread", False))
         self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
         self.read_delay_s = self.transfer.get("inject_read_delay_s", 0.0)
@@ -78,6 +79,8 @@ class DecodeWorker(EngineHost):
         for rid in self.tracker.expired(now):
             self._read_timed_out(rid)
         self._heartbeat(now)
+        if not self.nixl.progress_thread:
+            self.nixl.progress()  # flush the renew/release notes just queued
         return bool(placed or done or failed)
 
     def _place_inbox(self, now: float) -> int:

@@ -139,7 +139,8 @@ class NixlKVWorker:
     """
 
     def __init__(self, engine_id: str, pools: dict[str, torch.Tensor | None], block_size: int,
-                 compat: dict | None = None, capture_telemetry: bool = False) -> None:
+                 compat: dict | None = None, capture_telemetry: bool = False,
+                 progress_thread: bool = True) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -159,7 +160,10 @@ class NixlKVWorker:
         if device.type == "cpu":
             for k, v in CPU_UCX_ENV.items():
                 os.environ.setdefault(k, v)
-        self.agent = self._start_agent(f"{engine_id}#{uuid.uuid4().hex[:8]}", capture_telemetry)
+        self.progress_thread = progress_thread
+        self.agent = self._start_agent(f"{engine_id}#{uuid.uuid4().hex[:8]}", capture_telemetry,
+                                       progress_thread)
+        self._notes: dict[str, list[bytes]] = {}  # fetched by progress(), not yet polled
         self.agent_name = self.agent.name
         mem_type, dev = ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
         self.layouts = {name: PoolLayout(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0], dev, mem_type)
@@ -173,11 +177,12 @@ class NixlKVWorker:
         self._closed = False
 
     @staticmethod
-    def _start_agent(name: str, capture_telemetry: bool):
+    def _start_agent(name: str, capture_telemetry: bool, progress_thread: bool):
         agent_cls, config_cls = _import_nixl()
         env = {k: os.environ.get(k) for k in CPU_UCX_ENV}
         try:
-            agent = agent_cls(name, config_cls(backends=["UCX"], capture_telemetry=capture_telemetry))
+            agent = agent_cls(name, config_cls(backends=["UCX"], capture_telemetry=capture_telemetry,
+                                               enable_prog_thread=progress_thread))
         except Exception as e:  # noqa: BLE001 - the bindings raise their own error types
             raise NixlUnavailableError(f"NIXL agent {name!r} could not start its UCX backend ({env}): {e}") from e
         if "UCX" not in agent.backends:
@@ -362,11 +367,19 @@ class NixlKVWorker:
         return True
 
     # ------------------------------------------------------------------ notifications (prefill side)
+    def progress(self) -> None:
+        """Drive UCX once (sends queued notifications, serves peers' READs). Without a progress
+        thread the owner calls this, or poll/poll_notifications, every tick of its loop."""
+        self._check_open()
+        for sender, msgs in self.agent.get_new_notifs().items():
+            self._notes.setdefault(sender, []).extend(msgs)
+
     def poll_notifications(self) -> dict[str, list[str]]:
         """Request ids per kind (`read`, `release`, `renew`) received since the last call."""
-        self._check_open()
+        self.progress()
+        notes, self._notes = self._notes, {}
         out: dict[str, list[str]] = {k: [] for k in NOTIFY_KINDS}
-        for sender, msgs in self.agent.get_new_notifs().items():
+        for sender, msgs in notes.items():
             for m in msgs:
                 try:
                     note = json.loads(m)

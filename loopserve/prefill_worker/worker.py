@@ -32,7 +32,8 @@ class PrefillWorker(EngineHost):
 
     def _setup_transfers(self) -> None:
         self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
-                                 self.engine.kv_compat())
+                                 self.engine.kv_compat(),
+                                 progress_thread=self.transfer.get("progress_thread", False))
         self.ledger = TransferLedger(lease_s=self.transfer.get("lease_s", 30.0))
         self.leases_expired = 0
 

@@ -57,3 +57,24 @@ def test_queued_handoffs_are_renewed_while_decode_is_short_of_blocks():
     ref = colocated_reference(items, ENGINE)  # ...and still decoded from intact KV
     for it, r in zip(items, results):
         assert r.error is None and (r.token_ids, r.exit_depths) == ref[it.request_id]
+
+
+def test_handoff_the_decode_side_refuses_is_freed_at_once_not_when_its_lease_runs_out():
+    """(b): a decode worker that cannot ever fit a request refuses it before reading; its
+    `release` note frees the prefill side's blocks right away (the lease is 60 s), the
+    router retries once and then ends the stream with the decode side's reason."""
+    lease = 60.0
+    cfg = load_cluster_config({
+        "launcher": "process", "engine": ENGINE,
+        "decode": {"engine": {"num_blocks": 16}},  # fewer than the request will ever need
+        "transfer": {"lease_s": lease, "heartbeat_s": 0.5, "read_timeout_s": 20},
+        "server": {"max_migrations": 1}})
+    params = SamplingParams(max_tokens=40, ignore_eos=True, max_loops=4, exit_threshold=1.0)
+    with Cluster(cfg) as cluster:
+        [r] = asyncio.run(run_workload(cluster.router, [WorkItem("too-big", [3] * 20, params)]))
+        wait_idle(cluster.handles, timeout=lease / 4)
+        p = next(h for h in cluster.handles if h.role == "prefill")
+        assert p.stats()["leases_expired"] == 0
+        assert p.trace("too-big") == ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
+    assert r.finish_reason == "error"
+    assert "needs" in r.error and "KV blocks" in r.error and "after 1 migration" in r.error, r.error
