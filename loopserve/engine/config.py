@@ -39,6 +39,7 @@ class EngineConfig(BaseModel):
     role: Literal["colocated", "prefill", "decode"] = "colocated"
     max_waiting: int = Field(4096, ge=1)
     cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs
+    fuse_elementwise: bool = True  # on CUDA: torch.compile norms, RoPE, SwiGLU (one kernel each)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -15,6 +15,7 @@ import torch
 from loopserve.engine.config import EngineConfig
 from loopserve.kv_transfer.messages import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
+from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.outputs import EngineCounters, RequestOutput
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import Sample, sample_rows
@@ -74,6 +75,8 @@ class EngineCore:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
+        if config.fuse_elementwise and self.device.type == "cuda":
+            fuse_elementwise()
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.use_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size),
                                    capture=True)
