@@ -88,9 +88,12 @@ def prompts(seed):
 @torch.no_grad()
 def hf_generate(hf, prompt, loops):
     hf.config.n_recurrent_loops = loops  # transformers reads it at every forward
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW,
-                      min_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0, eos_token_id=None)
+    ids = torch.tensor([prompt])
+    # An explicit mask: without one, generate infers it from `input_ids != pad_token_id` and
+    # would treat every prompt token equal to the pad id as padding (shifting positions).
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 
