@@ -14,7 +14,7 @@ if not hasattr(transformers, "DoryForCausalLM"):
     pytest.skip("transformers has no DoryForCausalLM", allow_module_level=True)
 
 from loopserve.cli import main as cli_main  # noqa: E402
-from loopserve.engine.config import EngineConfig  # noqa: E402
+from loopserve.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
 from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.conftest import make_engine, run_pd, run_to_completion  # noqa: E402
@@ -79,6 +79,17 @@ def test_prefill_decode_serves_a_checkpoint(tmp_path_factory, cfg):
     pd = run_pd(submit(make_engine(str(d), role="prefill")), make_engine(str(d), role="decode"))
     assert pd.tokens == colocated
     assert_matches_generate(pd.tokens, ref)
+
+
+@pytest.mark.parametrize("option", [{"split_prefill": True}, {"speculative": SpeculativeConfig()}])
+def test_last_loop_refuses_multi_token_pieces_after_the_prompt(tmp_path_factory, option):
+    """Chunked prompts and draft verification would run several tokens in one piece, where
+    the shared plane gives a different answer than transformers (speculative: 6 of these 8
+    prompts diverged); per_loop accepts both."""
+    d, _ = checkpoint(tmp_path_factory, CONFIGS[1])
+    with pytest.raises(ValueError, match="last_loop"):
+        EngineCore(EngineConfig(model=str(d), **option))
+    EngineCore(EngineConfig(model=str(checkpoint(tmp_path_factory, CONFIGS[2])[0]), **option))
 
 
 def test_cli_generate_serves_a_checkpoint_directory(tmp_path_factory, capsys):
