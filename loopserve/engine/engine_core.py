@@ -48,9 +48,12 @@ class EngineCore:
             config.model, dtype=dtype, device=self.device, seed=config.seed
         )
         self.tokenizer = load_tokenizer(config.tokenizer, vocab_size=self.model.vocab_size)
-        if getattr(self.model, "last_loop_kv", False) and config.split_prefill:
-            raise ValueError("split_prefill is not supported for a model whose loops share one KV "
-                             "plane (recurrent_kv_cache_mode='last_loop'): prompts must run whole")
+        if getattr(self.model, "last_loop_kv", False) and (config.split_prefill or config.speculative):
+            # Within one piece, loop d of a token reads the earlier tokens' loop-d K/V; the
+            # reference semantics (transformers) give them the last loop's K/V instead.
+            raise ValueError("split_prefill and speculative decoding are not supported for a model "
+                             "whose loops share one KV plane (recurrent_kv_cache_mode='last_loop'): "
+                             "prompts must run whole and later tokens one at a time")
         spec = self.model.kv_spec
         self.max_loops = self.model.max_loops
         has_flat = spec.num_flat_layers > 0

@@ -1,12 +1,17 @@
 import random
+import time
+import uuid
+from dataclasses import dataclass, field
 
 import pytest
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 from loopserve.model.dense_reference import dense_greedy_generate
 from loopserve.model.registry import resolve_model
+from loopserve.scheduler import RequestStatus
 import torch
 
 FAMILIES = ["tiny-huginn", "tiny-ouro"]
@@ -80,3 +85,59 @@ def run_to_completion(engine: EngineCore, max_steps: int = 100_000, arrivals=(),
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@dataclass
+class PDRun:
+    """What a prefill→decode run produced: tokens per request (the prefill engine's first
+    token plus the decode engine's) and the scheduler states each side went through."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    states_p: dict[str, list[RequestStatus]] = field(default_factory=dict)
+    states_d: dict[str, list[RequestStatus]] = field(default_factory=dict)
+
+
+def _pools(engine: EngineCore) -> dict[str, torch.Tensor]:
+    kv = engine.runner.kv
+    return {"looped": kv.looped, "flat": kv.flat}
+
+
+def run_pd(p: EngineCore, d: EngineCore, timeout_s: float = 60) -> PDRun:
+    """Serve the requests added to prefill engine `p` through it and decode engine `d`,
+    moving every prompt's KV with a real NIXL READ (the loop the PD workers run)."""
+    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), 4, p.kv_compat())
+    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), 4, d.kv_compat())
+    dw.add_peer(pw.handshake_info())
+    run = PDRun()
+    deadline = time.time() + timeout_s
+    while (p.has_unfinished() or d.has_unfinished()) and time.time() < deadline:
+        for o in p.step():
+            run.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for rid in list(p.requests):
+            if (r := p.scheduler.get_request(rid)) is not None:
+                run.states_p.setdefault(rid, []).append(r.status)
+        for h in p.take_handoffs():
+            h.prefill_engine_id = pw.engine_id
+            table = d.add_handoff(h)
+            assert table is not None
+            run.states_d.setdefault(h.request_id, []).append(d.scheduler.get_request(h.request_id).status)
+            dw.start_read(h.request_id, h.prefill_engine_id, h.block_table, table.to_dict(), h.num_kv_tokens)
+        done, failed = dw.poll()
+        assert not failed
+        for rid in done:
+            d.kv_received(rid)
+        for rid in pw.poll_notifications()["read"]:
+            p.transfer_done(rid)
+        for o in d.step():
+            run.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for rid in list(d.requests):
+            r = d.scheduler.get_request(rid)
+            if r is not None and (not run.states_d.get(rid) or run.states_d[rid][-1] is not r.status):
+                run.states_d.setdefault(rid, []).append(r.status)
+        time.sleep(0.001)
+    assert not p.has_unfinished() and not d.has_unfinished(), "PD pipeline did not drain"
+    p.check_no_leaks()
+    d.check_no_leaks()
+    pw.close()
+    dw.close()
+    return run

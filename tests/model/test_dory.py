@@ -27,10 +27,10 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention",
                "sliding_attention", "sliding_attention", "full_attention"]
 
 
-def hf_config(loops, mode, tie=False):
+def hf_config(loops, mode, tie=False, kv_heads=2):
     return transformers.DoryConfig(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_input_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, n_input_layers=2,
         n_recurrent_layers=2, n_output_layers=2, n_recurrent_loops=loops,
         recurrent_kv_cache_mode=mode, sliding_window=8, layer_types=LAYER_TYPES,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -88,9 +88,12 @@ def prompts(seed):
 @torch.no_grad()
 def hf_generate(hf, prompt, loops):
     hf.config.n_recurrent_loops = loops  # transformers reads it at every forward
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW,
-                      min_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0, eos_token_id=None)
+    ids = torch.tensor([prompt])
+    # An explicit mask: without one, generate infers it from `input_ids != pad_token_id` and
+    # would treat every prompt token equal to the pad id as padding (shifting positions).
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 
@@ -197,3 +200,13 @@ def test_checkpoint_names_and_roundtrip(tmp_path):
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k
     assert m2.kv_planes(2) == 1 and m2.plane_of_depth(2) == 1
+
+
+def test_hf_generate_keeps_prompt_tokens_equal_to_the_pad_id(tmp_path_factory):
+    """The reference itself: a prompt token equal to generate's pad id (0) is a token, not
+    padding (without an explicit mask, generate masked it and the first logits moved by ~1)."""
+    hf, _ = models(tmp_path_factory, 1, "per_loop")
+    prompt = next(p for p in prompts(3) if 0 in p[1:])
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].float()
+    torch.testing.assert_close(hf_generate(hf, prompt, 1)[1][0], want, atol=1e-5, rtol=0)
