@@ -1,42 +1,71 @@
 """CUDA twins of the CPU equivalence tests (skipped without a GPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.model.dense_reference import dense_greedy_generate
+from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
 from loopserve.model.registry import resolve_model
 from tests.engine.conftest import workload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_engine_matches_dense_reference(family, dtype):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = resolve_model(family, dtype=getattr(torch, dtype), device="cuda", seed=0)
-    e = EngineCore(EngineConfig(model=family, device="cuda", dtype=dtype, block_size=16,
-                                num_blocks=1024, max_model_len=128), model=model)
-    work = workload(seed=1, n=8)
+def _run(engine: EngineCore, work) -> dict[str, list[int]]:
     for rid, prompt, params in work:
-        e.add_request(prompt, params, request_id=rid)
-    outs = {}
-    while e.has_unfinished():
-        for o in e.step():
+        engine.add_request(prompt, params, request_id=rid)
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    e.check_no_leaks()
-    agree = 0
+    engine.check_no_leaks()
+    return outs
+
+
+def _engine(family: str, model, dtype: str) -> EngineCore:
+    return EngineCore(EngineConfig(model=family, device="cuda", dtype=dtype, block_size=16,
+                                   num_blocks=1024, max_model_len=128), model=model)
+
+
+@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
+def test_cuda_engine_matches_dense_reference_fp32(family):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
+    work = workload(seed=1, n=8)
+    outs = _run(_engine(family, model, "float32"), work)
     for rid, prompt, params in work:
         d = model.default_loop_params
         p = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, model.max_loops)
         ref, _ = dense_greedy_generate(model, prompt, p.max_tokens, p.min_loops, p.max_loops,
                                        p.exit_threshold, p.seed)
-        if dtype == "float32":
-            assert outs[rid] == ref, rid
-        agree += outs[rid][:4] == ref[:4]
-    assert agree >= len(work) // 2  # bf16: paged and dense round differently; most prefixes agree
+        assert outs[rid] == ref, rid
+
+
+BF16_GAP = 0.1  # nats; CPU bf16 measured <= 0.03, a wrong token is several nats off
+
+
+@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
+def test_cuda_bf16_engine_picks_the_fp32_reference_argmax(family):
+    """bf16 (Triton attention, fused elementwise, graphs) teacher-forced against an fp32
+    dense reference of the same weights: every generated token is the reference's argmax
+    or within BF16_GAP of it (bf16 rounding flips near-ties; exact-prefix checks cannot
+    tell that from a bug). Fixed depth, so the reference sees the engine's loop counts."""
+    model = resolve_model(family, dtype=torch.bfloat16, device="cuda", seed=0)
+    ref = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    work = [(r, p, replace(s, exit_threshold=1.0)) for r, p, s in workload(seed=1, n=8)]
+    outs = _run(_engine(family, model, "bfloat16"), work)
+    for rid, prompt, params in work:
+        d = model.default_loop_params
+        p = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, model.max_loops)
+        logits, _ = dense_forward(ref, (prompt + outs[rid])[:-1], p.min_loops, p.max_loops, 1.0, p.seed)
+        lp = torch.log_softmax(logits[len(prompt) - 1:], -1)
+        got = lp.gather(1, torch.tensor(outs[rid], device="cuda")[:, None])[:, 0]
+        gap = (lp.max(-1).values - got).max().item()
+        assert gap <= BF16_GAP, (rid, gap)
 
 
 @pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
