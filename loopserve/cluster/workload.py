@@ -1,6 +1,6 @@
 """A seeded workload driven through a Router, with per-request latencies as the caller sees them.
 
-Used by the job entry point (`--workload`) and benchmarks/pd_cpu.py.
+Used by the job entry point (`--workload`) and benchmarks/pd_vs_colocated.py.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def summarize(results: list[RequestResult], wall_s: float) -> dict:
+def summarize(results: list[RequestResult], wall_s: float, slo_tpot_s: float | None = None) -> dict:
+    """Counts, throughput, TTFT/TPOT p50/p99; with an SLO, goodput: requests/s that finished
+    with TPOT within it (single-token requests count: they have no TPOT to miss)."""
     ok = [r for r in results if r.error is None and r.finish_reason != "error"]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
@@ -107,4 +109,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         if vals:
             out[f"{name}_p50_ms"] = 1e3 * percentile(vals, 50)
             out[f"{name}_p99_ms"] = 1e3 * percentile(vals, 99)
+    if slo_tpot_s is not None and wall_s > 0:
+        good = sum(1 for r in ok if r.tpot is None or r.tpot <= slo_tpot_s)
+        out["goodput_req_s"] = good / wall_s
     return out

@@ -1,12 +1,18 @@
-"""Colocated vs 1P1D on CPU: TTFT / TPOT p50 and p99 and throughput under one seeded Poisson load.
+"""Colocated vs 1P1D: TTFT / TPOT p50 and p99, throughput and goodput at a TPOT SLO, under
+one seeded Poisson load.
 
 Both clusters run the same workload (same prompts, same arrival times) in the same run;
-1P1D moves every prompt's KV with a real NIXL READ over loopback, whose GB/s is reported
-from the decode worker's own timing (READ started -> completion seen). Prints a table, the
-1P1D / colocated ratios and the command, and writes a PNG of the latency CDFs.
+1P1D moves every prompt's KV with a real NIXL READ, whose GB/s is reported from the decode
+worker's own timing (READ started -> completion seen). Prints a table, the 1P1D /
+colocated ratios and the command, and writes a PNG of the latency CDFs.
 
-Usage: python benchmarks/pd_cpu.py [--requests 48] [--rate 6] [--max-tokens 32]
-       [--model tiny-ouro] [--launcher process|ray] [--png out/pd_cpu_latency_cdf.png]
+Without --config: tiny CPU engines. With a cluster YAML (e.g. configs/h200-1p1d.yaml, a
+prefill and a decode process sharing one GPU), its engine and worker groups are used for
+1P1D and the colocated worker gets the GPUs of both groups.
+
+Usage: python benchmarks/pd_vs_colocated.py [--config YAML] [--requests 48] [--rate 6]
+       [--max-tokens 32] [--model tiny-ouro] [--launcher process|ray] [--slo-tpot-ms 50]
+       [--png out/pd_latency_cdf.png]
 """
 
 from __future__ import annotations
@@ -18,17 +24,29 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.workload import make_workload, run_workload, summarize
 
 
+def cluster_config(mode: str, args):
+    if args.config is None:
+        engine = {"model": args.model, "block_size": 16, "num_blocks": 4096, "max_model_len": 1024,
+                  "max_num_seqs": 64}
+        return load_cluster_config({"mode": mode, "launcher": args.launcher, "engine": engine,
+                                    "ray": {"num_cpus": 4},
+                                    "transfer": {"progress_thread": args.progress_thread}})
+    data = yaml.safe_load(args.config.read_text())
+    gpus = sum(data.get(r, {}).get("num_gpus", 0.0) for r in ("prefill", "decode"))
+    data["colocated"] = {"num_workers": 1, "num_gpus": gpus, **data.get("colocated", {})}
+    data.setdefault("transfer", {})["progress_thread"] = args.progress_thread
+    return load_cluster_config({**data, "mode": mode})
+
+
 def run_mode(mode: str, args) -> tuple[dict, list, dict]:
-    engine = {"model": args.model, "block_size": 16, "num_blocks": 4096, "max_model_len": 1024,
-              "max_num_seqs": 64}
-    cfg = load_cluster_config({"mode": mode, "launcher": args.launcher, "engine": engine,
-                               "ray": {"num_cpus": 4},
-                               "transfer": {"progress_thread": args.progress_thread}})
+    cfg = cluster_config(mode, args)
     with Cluster(cfg) as cluster:
         warm = make_workload(4, seed=args.seed + 1, max_tokens=4)
         asyncio.run(run_workload(cluster.router, warm))
@@ -39,7 +57,7 @@ def run_mode(mode: str, args) -> tuple[dict, list, dict]:
                               exit_threshold=args.exit_threshold)
         t0 = time.perf_counter()
         results = asyncio.run(run_workload(cluster.router, items))
-        summary = summarize(results, time.perf_counter() - t0)
+        summary = summarize(results, time.perf_counter() - t0, slo_tpot_s=args.slo_tpot_ms / 1e3)
         errors = [r.error for r in results if r.error]
         if errors:
             raise SystemExit(f"{mode}: {len(errors)} requests failed, first: {errors[0]}")
@@ -57,7 +75,7 @@ def _reads(cluster) -> dict:
     return total
 
 
-def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+def plot(curves: dict[str, dict[str, list[float]]], title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +90,7 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("loopserve CPU: colocated vs 1P1D (same seeded Poisson load)")
+    fig.suptitle(f"loopserve {title}: colocated vs 1P1D (same seeded Poisson load)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -80,6 +98,7 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None, help="cluster YAML (default: tiny CPU engines)")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals, requests/s")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -91,7 +110,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress-thread", action="store_true",
                    help="one UCX progress thread per NIXL agent (spins a core) instead of the step loop")
-    p.add_argument("--png", type=Path, default=Path("out/pd_cpu_latency_cdf.png"))
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput counts requests within it")
+    p.add_argument("--png", type=Path, default=Path("out/pd_latency_cdf.png"))
     args = p.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -103,7 +123,8 @@ def main() -> int:
         curves[name] = {"TTFT": [r.ttft for r in results if r.ttft is not None],
                         "TPOT": [r.tpot for r in results if r.tpot is not None]}
 
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "throughput_tok_s")
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "throughput_tok_s",
+            "goodput_req_s")
     print(f"{'mode':10s} " + " ".join(f"{k:>16s}" for k in keys) + f" {'ok':>6s}")
     for name, (s, _) in rows.items():
         print(f"{name:10s} " + " ".join(f"{s.get(k, float('nan')):16.2f}" for k in keys)
@@ -113,10 +134,11 @@ def main() -> int:
     reads = rows["1P1D"][1]
     if reads["count"]:
         gbs = reads["bytes"] / reads["seconds"] / 1e9 if reads["seconds"] else float("nan")
-        print(f"KV transfer (NIXL READ, loopback): {reads['count']} reads, "
+        print(f"KV transfer (NIXL READ): {reads['count']} reads, "
               f"{reads['bytes'] / reads['count'] / 1024:.1f} KiB/read, "
               f"{1e3 * reads['seconds'] / reads['count']:.2f} ms/read, {gbs:.3f} GB/s")
-    plot(curves, args.png)
+    print(f"goodput: requests/s finishing with TPOT <= {args.slo_tpot_ms:g} ms")
+    plot(curves, args.config.stem if args.config else "CPU", args.png)
     print(f"latency CDF: {args.png}")
     print("command: python " + " ".join(sys.argv))
     return 0
