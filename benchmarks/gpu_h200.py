@@ -169,14 +169,14 @@ def part_nixl(base: dict) -> dict:
     p.start()
     info = a.recv()
     local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
-    w = NixlKVWorker("gpu-decode", {"looped": local}, 16, {"m": 1})
+    w = NixlKVWorker("gpu-decode", {"looped": local}, 16, {"m": 1}, capture_telemetry=True)
     w.add_peer(info)
     res = {}
     for count in (1, 16, 128, 512):
         ids = list(range(count))
         table = {"flat": [], "depth": [ids]}
         best = float("inf")
-        for rep in range(3):
+        for rep in range(5):
             t0 = time.perf_counter()
             w.start_read(f"r{count}-{rep}", "gpu-prefill", table, table, count * 16)
             while True:
@@ -190,8 +190,9 @@ def part_nixl(base: dict) -> dict:
         tc = cuda_time(lambda: src.copy_(local[:count]))
         res[count] = {"nixl_GBps": nbytes / best / 1e9, "copy_GBps": nbytes / tc / 1e9}
         res[count]["ratio"] = res[count]["nixl_GBps"] / res[count]["copy_GBps"]
+        descs = w.read_stats[f"r{count}-4"].descriptors
         print(f"[nixl] {count:4d} blocks ({nbytes / 2**20:.0f} MiB): NIXL READ {res[count]['nixl_GBps']:.1f} GB/s "
-              f"vs D2D copy {res[count]['copy_GBps']:.1f} GB/s -> {res[count]['ratio']:.2f}x", flush=True)
+              f"vs D2D copy {res[count]['copy_GBps']:.1f} GB/s -> {res[count]['ratio']:.2f}x ({descs} descriptors)", flush=True)
     a.send("stop")
     p.join(timeout=30)
     w.close()

