@@ -37,11 +37,12 @@ def cluster_config(mode: str, args):
                   "max_num_seqs": 64}
         return load_cluster_config({"mode": mode, "launcher": args.launcher, "engine": engine,
                                     "ray": {"num_cpus": 4},
-                                    "transfer": {"progress_thread": args.progress_thread}})
+                                    "transfer": {"progress_thread": bool(args.progress_thread)}})
     data = yaml.safe_load(args.config.read_text())
     gpus = sum(data.get(r, {}).get("num_gpus", 0.0) for r in ("prefill", "decode"))
     data["colocated"] = {"num_workers": 1, "num_gpus": gpus, **data.get("colocated", {})}
-    data.setdefault("transfer", {})["progress_thread"] = args.progress_thread
+    if args.progress_thread is not None:
+        data.setdefault("transfer", {})["progress_thread"] = args.progress_thread
     return load_cluster_config({**data, "mode": mode})
 
 
@@ -111,7 +112,7 @@ def main() -> int:
     p.add_argument("--model", default="tiny-ouro")
     p.add_argument("--launcher", choices=["process", "ray"], default="process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress-thread", action="store_true",
+    p.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=None,
                    help="one UCX progress thread per NIXL agent (spins a core) instead of the step loop")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput counts requests within it")
     p.add_argument("--png", type=Path, default=Path("out/pd_latency_cdf.png"))
