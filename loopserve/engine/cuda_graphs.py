@@ -107,7 +107,8 @@ class DecodeGraphs:
             context_lens=self.context[:p], slot_mapping=self.slots[:p], positions=self.positions[:p],
             block_size=self.block_size, max_context_len=ctx,
             seg_bounds=[(i, i + 1) for i in range(p)],
-            seg_num_blocks=[*mb.attn.seg_num_blocks, *[1] * (p - t)])  # host loops only: CPU twin
+            seg_num_blocks=[*mb.attn.seg_num_blocks, *[1] * (p - t)],  # host loops only: CPU twin
+            seg_context_lens=[*mb.attn.seg_context_lens, *[0] * (p - t)])
         mb = ModelBatch(op, self.positions[:p], self.depths[:p], attn,
                         token_ids=self.token_ids[:p] if op is Operation.PRELUDE else None,
                         seeds=self.seeds[:p] if op is Operation.PRELUDE else None,

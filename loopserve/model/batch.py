@@ -22,6 +22,7 @@ class AttnMetadata:
     max_context_len: int
     seg_bounds: list[tuple[int, int]]  # host copy of seg_starts as (start, end) pairs
     seg_num_blocks: list[int]  # host copy: blocks each segment's context spans
+    seg_context_lens: list[int]  # host copy of context_lens
 
 
 @dataclass
@@ -83,4 +84,35 @@ def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: li
         max_context_len=max(ctx, default=0),
         seg_bounds=list(zip(starts[:-1], starts[1:])),
         seg_num_blocks=nblk,
+        seg_context_lens=ctx,
     )
+
+
+def fresh_segments(meta: AttnMetadata, min_rows: int) -> list[int]:
+    """Segments whose rows are exactly positions 0..n-1 (n >= min_rows): a prompt's first
+    chunk with every row still looping. They attend only to their own new K/V, so dense
+    causal attention over the rows equals paged attention over the plane."""
+    return [s for s, (a, b) in enumerate(meta.seg_bounds)
+            if b - a >= min_rows and b - a == meta.seg_context_lens[s]]
+
+
+def subset(meta: AttnMetadata, segs: list[int]) -> tuple[torch.Tensor, AttnMetadata]:
+    """The rows of `segs` (device index) and metadata for just those segments."""
+    rows = [r for s in segs for r in range(*meta.seg_bounds[s])]
+    starts = [0]
+    for s in segs:
+        a, b = meta.seg_bounds[s]
+        starts.append(starts[-1] + b - a)
+    dev = meta.positions.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sel = torch.tensor(segs, dtype=torch.int64, device=dev)
+    ctx = [meta.seg_context_lens[s] for s in segs]
+    return idx, AttnMetadata(
+        seg_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
+        block_tables=meta.block_tables.index_select(0, sel),
+        context_lens=meta.context_lens.index_select(0, sel),
+        slot_mapping=meta.slot_mapping.index_select(0, idx),
+        positions=meta.positions.index_select(0, idx),
+        block_size=meta.block_size, max_context_len=max(ctx, default=0),
+        seg_bounds=list(zip(starts[:-1], starts[1:])),
+        seg_num_blocks=[meta.seg_num_blocks[s] for s in segs], seg_context_lens=ctx)

@@ -71,6 +71,22 @@ def test_split_kv(splits):
     assert_matches(case, TritonAttention(kv_splits=splits), window=40)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompt_segments_take_sdpa_the_rest_the_paged_kernel(dtype):
+    """Fresh prompts (rows 0..n-1) and the rest of a mixed batch (a gappy chunk whose row 2
+    exited, a later chunk, decode rows, a short fresh prompt) in one forward."""
+    from loopserve.model.batch import fresh_segments
+
+    segs = [list(range(9)), [0, 1, 3, 4, 5, 6], [17], list(range(6, 14)), list(range(12)), [0, 1], [30]]
+    case = make_case(segs, hq=8, hkv=2, head_dim=16, block_size=4, dtype=dtype, device="cpu",
+                     strided_q=True)
+    assert fresh_segments(case.meta, 4) == [0, 4]
+    assert_matches(case, TritonAttention(dense_prefill_rows=4))
+    only_fresh = make_case([list(range(7)), list(range(5))], hq=4, hkv=4, head_dim=16,
+                           block_size=4, dtype=dtype, device="cpu")
+    assert_matches(only_fresh, TritonAttention(dense_prefill_rows=4))
+
+
 def test_rejects_bad_input():
     case = make_case([[3], [9]], hq=4, hkv=2, head_dim=16, block_size=4, dtype=torch.float32,
                      device="cpu")

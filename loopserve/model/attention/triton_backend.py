@@ -3,6 +3,10 @@
 Depth-awareness needs nothing special here: each segment brings its own plane's block table.
 Launch parameters come from host-side metadata only (`seg_bounds`, `max_context_len`), so a
 forward never waits on the device.
+
+A prompt's first chunk (rows = positions 0..n-1, none exited) reads nothing but its own new
+K/V, so those segments go to torch's SDPA (FlashAttention / cuDNN on Hopper) on the rows
+directly; the paged kernel takes the rest of the batch.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from loopserve.model.attention.triton_kv_write import triton_write_kv
 from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
-from loopserve.model.batch import AttnMetadata
+from loopserve.model.batch import AttnMetadata, fresh_segments, subset
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _MAX_BLOCK_SIZE = 128
@@ -26,6 +31,7 @@ _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
 _MIN_SPLIT_LEN = 128  # KV positions per split worth a program of its own
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DENSE_PREFILL_ROWS = 64  # shorter fresh segments stay in the paged kernel (one launch for all)
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,15 @@ def launch_config(meta: AttnMetadata, group: int, num_kv_heads: int, num_sms: in
 
 class TritonAttention:
     """`AttentionBackend` on Triton kernels. `kv_splits` forces the split-KV count (tests,
-    benchmarks); None picks it from the batch shape and the GPU's SM count."""
+    benchmarks); None picks it from the batch shape and the GPU's SM count. Fresh prompt
+    segments of at least `dense_prefill_rows` rows go to SDPA (None: never)."""
 
-    def __init__(self, kv_splits: int | None = None) -> None:
+    def __init__(self, kv_splits: int | None = None,
+                 dense_prefill_rows: int | None = DENSE_PREFILL_ROWS) -> None:
         if kv_splits is not None and not 1 <= kv_splits <= _MAX_SPLITS:
             raise ValueError(f"kv_splits={kv_splits} must be in [1, {_MAX_SPLITS}]")
         self.kv_splits = kv_splits
+        self.dense_prefill_rows = dense_prefill_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -79,7 +88,24 @@ class TritonAttention:
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
-        return self._attend(q, cache, meta, scale, window, out)
+        fresh = [] if window is not None or self.dense_prefill_rows is None else \
+            fresh_segments(meta, self.dense_prefill_rows)
+        if not fresh:
+            return self._attend(q, cache, meta, scale, window, out)
+        k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)  # what the plane holds
+        for s in fresh:
+            a, b = meta.seg_bounds[s]
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                               v[a:b].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            out[a:b] = o[0].transpose(0, 1)
+        dense = set(fresh)
+        rest = [s for s in range(len(meta.seg_bounds)) if s not in dense]
+        if rest:
+            rows, sub = subset(meta, rest)
+            if rows.numel():
+                out[rows] = self._attend(q[rows], cache, sub, scale, window, torch.empty_like(q[rows]))
+        return out
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
                 window: int | None, out: torch.Tensor) -> torch.Tensor:
