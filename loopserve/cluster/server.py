@@ -5,7 +5,8 @@ tokens. A cancelled stream aborts the request on every engine holding it (the ro
 stream is closed with it). LoopServe's methods take raw request bytes and parse them here,
 so a malformed message is INVALID_ARGUMENT naming the problem (grpc's own deserializer
 answers INTERNAL). Bad input gets INVALID_ARGUMENT naming the field and its limit, a live
-request's id ALREADY_EXISTS, a full queue RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE.
+request's id ALREADY_EXISTS, a full server (max_pending_requests streams) or engine queue
+RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ class LoopServeServicer:
     def __init__(self, router: Router, config: ServerConfig) -> None:
         self.router = router
         self.config = config
+        self.in_flight = 0  # Generate streams open (one event loop: no lock needed)
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        limit = self.config.max_pending_requests
+        if self.in_flight >= limit:  # before parsing: an overloaded server does no work for it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.in_flight} Generate streams in flight, the most "
+                                f"server.max_pending_requests ({limit}) allows; retry later")
+        self.in_flight += 1
         stream = None
         try:
             request = parse(pb.GenerateRequest, raw)
@@ -63,6 +71,7 @@ class LoopServeServicer:
         except _REFUSED as e:  # raised before the first output: the stream never started
             await context.abort(_code(e), str(e))
         finally:
+            self.in_flight -= 1
             if stream is not None:
                 await stream.aclose()  # not finished: aborts the request on both engines
 
