@@ -15,6 +15,7 @@ from loopserve.engine.sampling_params import SamplingParams
 
 class LoopServeClient:
     def __init__(self, address: str = "127.0.0.1:50051") -> None:
+        self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.LoopServeStub(self.channel)
 

@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loopserve.cluster.limits import RequestLimits
 from loopserve.engine.config import EngineConfig
 
 ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
@@ -60,10 +61,14 @@ class TransferConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback only unless asked
     port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
+    # Generate streams in flight; beyond, new ones get RESOURCE_EXHAUSTED at once (the other
+    # RPCs still answer, so health checks work under overload).
+    max_pending_requests: int = Field(4096, ge=1)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
 
 def _default_engine() -> EngineConfig:

@@ -44,8 +44,7 @@ def run_job(args: argparse.Namespace) -> int:
         if args.serve:
             from loopserve.cluster.server import serve_forever
 
-            asyncio.run(serve_forever(cluster.router, config.server.host, config.server.port,
-                                      args.duration))
+            asyncio.run(serve_forever(cluster.router, config.server, args.duration))
             return 0
         items = make_workload(args.workload, seed=args.seed, max_tokens=args.max_tokens, rate=args.rate)
         t0 = time.perf_counter()

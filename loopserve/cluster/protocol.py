@@ -6,6 +6,10 @@ Kept apart from the server so the client, the server and tests share one mapping
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from loopserve.cluster.proto import loopserve_pb2 as pb
 from loopserve.engine.outputs import RequestOutput
@@ -13,6 +17,35 @@ from loopserve.engine.sampling_params import SamplingParams
 
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
 _OPTIONAL_LOOPS = ("min_loops", "max_loops", "exit_threshold")
+_FLOAT32 = ("temperature", "top_p", "exit_threshold")
+M = TypeVar("M", bound=Message)
+
+
+def parse(cls: type[M], raw: bytes) -> M:
+    """A request message from the wire; ValueError if the bytes are not one.
+
+    Protobuf parsing rejects truncated messages and strings that are not UTF-8 (DecodeError),
+    but keeps a known field sent with the wrong wire type as an unknown field, silently
+    defaulting it: that is refused here too, naming the field. Unknown field numbers pass
+    (newer clients may send fields this server does not know).
+    """
+    try:
+        msg = cls.FromString(raw)
+    except DecodeError as e:
+        raise ValueError(f"request is not a valid {cls.DESCRIPTOR.name}: {e}") from None
+    _check_wire_types(msg, cls.DESCRIPTOR.name, "")
+    return msg
+
+
+def _check_wire_types(msg: Message, name: str, where: str) -> None:
+    fields = msg.DESCRIPTOR.fields_by_number
+    for f in UnknownFieldSet(msg):
+        if f.field_number in fields:
+            raise ValueError(f"request is not a valid {name}: field "
+                             f"{where}{fields[f.field_number].name} has the wrong wire type")
+    for field, value in msg.ListFields():
+        if isinstance(value, Message):
+            _check_wire_types(value, name, f"{where}{field.name}.")
 
 
 def request_from_proto(req: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams]:
@@ -26,11 +59,9 @@ def request_from_proto(req: pb.GenerateRequest) -> tuple[str | list[int], Sampli
     s, lp = req.sampling, req.loops
     kw = {k: getattr(s, k) for k in _OPTIONAL_SAMPLING if s.HasField(k)}
     kw.update({k: getattr(lp, k) for k in _OPTIONAL_LOOPS if lp.HasField(k)})
-    if "exit_threshold" in kw:  # float32 on the wire: 0.7 arrives as 0.699999988
-        kw["exit_threshold"] = round(kw["exit_threshold"], 6)
-    for k in ("temperature", "top_p"):
+    for k in _FLOAT32:  # float32 on the wire: 0.7 arrives as 0.699999988; 7 digits is all it holds
         if k in kw:
-            kw[k] = round(kw[k], 6)
+            kw[k] = float(f"{kw[k]:.7g}")
     return prompt, SamplingParams(stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop),
                                   ignore_eos=s.ignore_eos, priority=req.priority, **kw)
 

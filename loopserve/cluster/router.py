@@ -42,6 +42,10 @@ class NoWorkerError(RuntimeError):
     """No healthy worker of the needed role."""
 
 
+class RequestIdInUseError(ValueError):
+    """A live request already has this client id (the server answers ALREADY_EXISTS)."""
+
+
 @dataclass
 class _Stream:
     client_id: str
@@ -155,8 +159,8 @@ class Router:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing or cancelling the stream aborts it everywhere.
 
-        Raises ValueError (bad input, request id in use), QueueFullError or NoWorkerError
-        before the first output.
+        Raises ValueError (bad input; RequestIdInUseError for an id in use), QueueFullError or
+        NoWorkerError before the first output.
         """
         params = params or SamplingParams()
         st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
@@ -199,7 +203,7 @@ class Router:
             if self._closed:
                 raise NoWorkerError("the router is closed")
             if client_id in self._live:
-                raise ValueError(f"request_id {client_id!r} is already in use")
+                raise RequestIdInUseError(f"request_id {client_id!r} is already in use by a live request")
             entry = self._pick_entry()
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,

@@ -2,7 +2,10 @@
 
 Generate streams the first token as soon as the prefill side has it, then the decode side's
 tokens. A cancelled stream aborts the request on every engine holding it (the router's
-stream is closed with it). Bad input gets INVALID_ARGUMENT naming the field, a full queue
+stream is closed with it). LoopServe's methods take raw request bytes and parse them here,
+so a malformed message is INVALID_ARGUMENT naming the problem (grpc's own deserializer
+answers INTERNAL). Bad input gets INVALID_ARGUMENT naming the field and its limit, a live
+request's id ALREADY_EXISTS, a full server (max_pending_requests streams) or engine queue
 RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE.
 """
 
@@ -12,44 +15,65 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from loopserve.cluster.protocol import request_from_proto, responses_from_output
+from loopserve.cluster.config import ServerConfig
+from loopserve.cluster.limits import check_limits
+from loopserve.cluster.protocol import parse, request_from_proto, responses_from_output
 from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
-from loopserve.cluster.router import NoWorkerError, Router
+from loopserve.cluster.router import NoWorkerError, RequestIdInUseError, Router
 from loopserve.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 SERVICE = "loopserve.v1.LoopServe"
 HEALTH_PERIOD_S = 2.0
+# The caller's mistakes and the server's state, as status codes (first match wins).
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoWorkerError, grpc.StatusCode.UNAVAILABLE),
+)
+_REFUSED = tuple(t for t, _ in _CODES)
 
 
-class LoopServeServicer(pb_grpc.LoopServeServicer):
-    def __init__(self, router: Router) -> None:
+def _code(e: Exception) -> grpc.StatusCode:
+    return next(code for t, code in _CODES if isinstance(e, t))
+
+
+class LoopServeServicer:
+    def __init__(self, router: Router, config: ServerConfig) -> None:
         self.router = router
+        self.config = config
+        self.in_flight = 0  # Generate streams open (one event loop: no lock needed)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        limit = self.config.max_pending_requests
+        if self.in_flight >= limit:  # before parsing: an overloaded server does no work for it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.in_flight} Generate streams in flight, the most "
+                                f"server.max_pending_requests ({limit}) allows; retry later")
+        self.in_flight += 1
+        stream = None
         try:
+            request = parse(pb.GenerateRequest, raw)
+            check_limits(request, self.config.limits)
             prompt, params = request_from_proto(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = self.router.generate(prompt, params, request.request_id or None)
-        try:
+            stream = self.router.generate(prompt, params, request.request_id or None)
             async for out in stream:
                 for msg in responses_from_output(out, out.request_id, time.time()):
                     yield msg
-        except ValueError as e:  # the engine's validation (token ids, lengths, request id)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except NoWorkerError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except _REFUSED as e:  # raised before the first output: the stream never started
+            await context.abort(_code(e), str(e))
         finally:
-            await stream.aclose()  # not finished: aborts the request on both engines
+            self.in_flight -= 1
+            if stream is not None:
+                await stream.aclose()  # not finished: aborts the request on both engines
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if not request.request_id:
@@ -66,6 +90,30 @@ class LoopServeServicer(pb_grpc.LoopServeServicer):
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = await asyncio.to_thread(self.router.stats)
         return pb.StatsResponse(workers=[_worker_stats(w, s) for w, s in stats.items()])
+
+
+def _parsing(method: Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]],
+             request_cls: type[Message]) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
+    """A unary method over raw bytes: parsed here, so garbage is INVALID_ARGUMENT."""
+    async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            request = parse(request_cls, raw)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return await method(request, context)
+    return call
+
+
+def _handlers(servicer: LoopServeServicer) -> grpc.GenericRpcHandler:
+    """LoopServe's methods, registered without request deserializers (they get raw bytes)."""
+    unary = {"Abort": (pb.AbortRequest, pb.AbortResponse), "Health": (pb.HealthRequest, pb.HealthResponse),
+             "GetStats": (pb.StatsRequest, pb.StatsResponse)}
+    methods = {name: grpc.unary_unary_rpc_method_handler(
+        _parsing(getattr(servicer, name), req), response_serializer=resp.SerializeToString)
+        for name, (req, resp) in unary.items()}
+    methods["Generate"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, response_serializer=pb.GenerateResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
 def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
@@ -87,10 +135,11 @@ def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
 class Server:
     """The gRPC server over a router; `port` is the bound one after start() (useful with port 0)."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50051) -> None:
+    def __init__(self, router: Router, config: ServerConfig | None = None) -> None:
         self.router = router
-        self.host = host
-        self.port = port
+        self.config = config or ServerConfig()
+        self.host = self.config.host
+        self.port = self.config.port
         self._server: grpc.aio.Server | None = None
         self.health: health_aio.HealthServicer | None = None
         self._health_task: asyncio.Task | None = None
@@ -101,8 +150,9 @@ class Server:
 
     async def start(self) -> Server:
         """Bind and start (inside the event loop that will serve: grpc.aio binds to it)."""
-        self._server = grpc.aio.server()
-        pb_grpc.add_LoopServeServicer_to_server(LoopServeServicer(self.router), self._server)
+        self._server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", self.config.limits.max_message_bytes)])
+        self._server.add_generic_rpc_handlers((_handlers(LoopServeServicer(self.router, self.config)),))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
@@ -137,9 +187,9 @@ class Server:
         await self._server.stop(grace)
 
 
-async def serve_forever(router: Router, host: str, port: int, duration: float | None = None) -> None:
+async def serve_forever(router: Router, config: ServerConfig, duration: float | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or `duration` seconds), then stop gracefully."""
-    server = await Server(router, host, port).start()
+    server = await Server(router, config).start()
     print(f"loopserve serving on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

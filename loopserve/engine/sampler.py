@@ -33,7 +33,7 @@ class Sample:
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     x = logits / p.temperature
-    if p.top_k and p.top_k < x.numel():
+    if 0 < p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)

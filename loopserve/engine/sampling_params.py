@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+# Below this a temperature samples greedily (as vLLM's _SAMPLING_EPS): logits divided by a
+# smaller one overflow float32, and the softmax of infinities is NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    temperature: float = 0.0  # 0 (or < GREEDY_BELOW) = greedy
+    top_k: int = 0  # 0 = off; -1 too (vLLM's spelling)
     top_p: float = 1.0
     seed: int | None = None  # reproducible per request, independent of batch composition
     stop_token_ids: tuple[int, ...] = ()
@@ -27,12 +32,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1 = off), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
@@ -56,13 +61,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def resolve_loops(self, default_min: int, default_max: int, default_threshold: float,
                       model_max: int) -> SamplingParams:
         """Fill unset loop fields from the model and check them against its bounds."""
         lo = self.min_loops if self.min_loops is not None else min(default_min, self.max_loops or default_min)
         hi = self.max_loops if self.max_loops is not None else max(default_max, lo)
+        if lo > model_max:
+            raise ValueError(f"min_loops must be <= {model_max} for this model, got {lo}")
         if hi > model_max:
             raise ValueError(f"max_loops must be <= {model_max} for this model, got {hi}")
         if lo > hi:

@@ -2,7 +2,8 @@
 
 Starting Ray (~5 s) and a worker (torch + model + NIXL agent, several seconds) is the slow
 part, so tests build routers over subsets of the same workers (1P1D = one of each). Only one
-router may pump a worker at a time: every test closes its router.
+router may pump a worker at a time: every test closes its router. Tests of the server's own
+edge (validation, backpressure, security) use one in-process colocated worker instead.
 """
 
 from __future__ import annotations
@@ -79,30 +80,43 @@ def fault_workers(ray_cluster):
     stop_all(handles)
 
 
+@pytest.fixture(scope="session")
+def colocated_worker():
+    """One colocated worker of the tiny model, in this process (no Ray)."""
+    from tests.cluster.inprocess import InProcessHandle
+
+    handle = InProcessHandle("colocated-inproc", ENGINE)
+    yield handle
+    handle.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def pools_back_to_baseline(request):
     """(d) of the issue: after every test on shared workers, every pool's accounting holds
     (free + used == total) and no block is held once the workers are idle."""
     yield
-    for name in ("pd_workers", "fault_workers"):
+    for name in ("pd_workers", "fault_workers", "colocated_worker"):
         if name in request.fixturenames:
-            handles = [h for hs in request.getfixturevalue(name).values() for h in hs]
+            workers = request.getfixturevalue(name)
+            handles = [h for hs in workers.values() for h in hs] if isinstance(workers, dict) else [workers]
             usage = wait_idle(handles, timeout=60)
             assert all(u[p]["used"] == 0 for u in usage.values() for p in ("looped", "flat")), usage
 
 
 @contextlib.contextmanager
-def serving(router):
-    """A real gRPC server over `router` on a free port, in its own event loop; yields a client."""
+def serving(router, client_options: dict | None = None, **server_options):
+    """A real gRPC server over `router` on a free port, in its own event loop; yields a client
+    (made with `client_options`). `server_options` are ServerConfig fields."""
     from loopserve.cluster.client import LoopServeClient
+    from loopserve.cluster.config import ServerConfig
     from loopserve.cluster.server import Server
 
     loop = asyncio.new_event_loop()
-    server = Server(router, "127.0.0.1", 0)
+    server = Server(router, ServerConfig(**{"port": 0, **server_options}))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    client = LoopServeClient(server.address)
+    client = LoopServeClient(server.address, **(client_options or {}))
     try:
         yield client
     finally:
@@ -110,6 +124,18 @@ def serving(router):
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@contextlib.contextmanager
+def served_1p1d(workers: dict):
+    """(client, prefill handle, decode handle): a server over a 1P1D router of `workers`."""
+    p, d = workers["prefill"][0], workers["decode"][0]
+    router = Router([p], [d], poll_s=0.1).start()
+    try:
+        with serving(router) as client:
+            yield client, p, d
+    finally:
+        router.close()
 
 
 def until(cond, timeout: float = 30.0, what: str = "condition"):

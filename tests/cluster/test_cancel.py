@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from loopserve.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import serving, until
+from tests.cluster.conftest import served_1p1d, until
 
 LONG = SamplingParams(max_tokens=100, ignore_eos=True, max_loops=2)
 PREFILL_TRACE = ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
@@ -19,14 +19,8 @@ PREFILL_TRACE = ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
 
 @pytest.fixture(scope="module")
 def pair(fault_workers):
-    """(client, prefill, decode) over a 1P1D router of the fault workers."""
-    from loopserve.cluster.router import Router
-
-    p, d = fault_workers["prefill"][0], fault_workers["decode"][0]
-    router = Router([p], [d], poll_s=0.1).start()
-    with serving(router) as client:
-        yield client, p, d
-    router.close()
+    with served_1p1d(fault_workers) as s:
+        yield s
 
 
 def _finished(*workers_and_ids) -> None:

@@ -9,19 +9,13 @@ from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.server import SERVICE
 from loopserve.cluster.workload import WorkItem
 from loopserve.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import colocated_reference, serving, until
+from tests.cluster.conftest import colocated_reference, served_1p1d, until
 
 
 @pytest.fixture(scope="module")
 def served(pd_workers):
-    """(client, prefill handle, decode handle): a server over a 1P1D router."""
-    from loopserve.cluster.router import Router
-
-    p, d = pd_workers["prefill"][0], pd_workers["decode"][0]
-    router = Router([p], [d], poll_s=0.1).start()
-    with serving(router) as client:
-        yield client, p, d
-    router.close()
+    with served_1p1d(pd_workers) as s:
+        yield s
 
 
 def test_stream_first_token_then_decode_tokens(served):
@@ -141,7 +135,7 @@ def test_request_id_in_use_then_reusable(served):
     next(live)
     with pytest.raises(grpc.RpcError) as e:
         list(client.stream("second", params, "g-dup"))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already in use" in e.value.details()
     live.cancel()
     until(lambda: not client.abort("g-dup"))  # no longer live
     again = list(client.generate("third", SamplingParams(max_tokens=3), "g-dup"))
