@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,12 +57,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return job_main(argv)
 
 
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     from loopserve.cluster.client import LoopServeClient
+    from loopserve.cluster.config import AUTH_TOKEN_ENV
 
     import grpc
 
-    with LoopServeClient(args.address) as client:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    token = args.token or os.environ.get(AUTH_TOKEN_ENV)
+    with LoopServeClient(args.address, token=token, tls=args.tls, root_certificates=_read(args.tls_ca),
+                         private_key=_read(args.tls_key), certificate_chain=_read(args.tls_cert)) as client:
         done = None
         try:
             for event in client.generate(args.prompt, _sampling(args), request_id=args.request_id):
@@ -99,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("prompt")
     c.add_argument("--address", default="127.0.0.1:50051")
     c.add_argument("--request-id", default=None)
+    c.add_argument("--token", default=None, help="bearer token (default: $LOOPSERVE_AUTH_TOKEN, "
+                   "which keeps it out of the process list)")
+    c.add_argument("--tls", action="store_true", help="TLS, trusting the system's root certificates")
+    c.add_argument("--tls-ca", default=None, help="TLS, trusting this PEM root certificate")
+    c.add_argument("--tls-cert", default=None, help="client certificate PEM (servers requiring mTLS)")
+    c.add_argument("--tls-key", default=None, help="client private key PEM (with --tls-cert)")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_client)
     return parser

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loopserve.cluster.auth import BearerToken
 from loopserve.cluster.protocol import StreamEvent, event_from_response, request_to_proto
 from loopserve.cluster.proto import loopserve_pb2 as pb
 from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
@@ -14,9 +15,21 @@ from loopserve.engine.sampling_params import SamplingParams
 
 
 class LoopServeClient:
-    def __init__(self, address: str = "127.0.0.1:50051") -> None:
+    """`token`: sent as `authorization: Bearer <token>` on every call. TLS when `tls` is set
+    or any PEM is given: `root_certificates` to trust (default: the system's), and
+    `private_key` + `certificate_chain` for servers that require client certificates."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        if tls or root_certificates or certificate_chain:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, BearerToken(token))
         self.stub = pb_grpc.LoopServeStub(self.channel)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -6,15 +6,17 @@ decode worker of the tiny model on a local CPU Ray cluster).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from loopserve.cluster.limits import RequestLimits
 from loopserve.engine.config import EngineConfig
 
+AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
 
 
@@ -60,8 +62,13 @@ class TransferConfig(_Strict):
         return self
 
 
+def _env_token() -> SecretStr | None:
+    token = os.environ.get(AUTH_TOKEN_ENV)
+    return SecretStr(token) if token else None
+
+
 class ServerConfig(_Strict):
-    host: str = "127.0.0.1"  # loopback only unless asked
+    host: str = "127.0.0.1"  # loopback only unless asked: plaintext and no token by default
     port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
@@ -69,6 +76,29 @@ class ServerConfig(_Strict):
     # RPCs still answer, so health checks work under overload).
     max_pending_requests: int = Field(4096, ge=1)
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    # Every RPC must carry `authorization: Bearer <token>`; default: $LOOPSERVE_AUTH_TOKEN.
+    auth_token: SecretStr | None = Field(default_factory=_env_token)
+    tls_cert_file: Path | None = None  # PEM; with tls_key_file: TLS instead of plaintext
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # PEM; clients must present a cert it signed (mTLS)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if self.auth_token is not None and not self.auth_token.get_secret_value():
+            raise ValueError("server.auth_token must not be empty (leave it unset for no auth)")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("server.tls_cert_file and server.tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("server.tls_client_ca_file needs server.tls_cert_file and tls_key_file")
+        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, key)
+            if path is not None and not path.is_file():
+                raise ValueError(f"server.{key} {str(path)!r} does not exist")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
 
 def _default_engine() -> EngineConfig:

@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from loopserve.cluster.auth import BearerTokenInterceptor
 from loopserve.cluster.config import ServerConfig
 from loopserve.cluster.limits import check_limits
 from loopserve.cluster.protocol import parse, request_from_proto, responses_from_output
@@ -132,6 +133,14 @@ def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
         pool_accounting_ok=all(kv[p]["free"] + kv[p]["used"] == kv[p]["total"] for p in kv))
 
 
+def _tls(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS from PEM files; with a client CA, clients must present a certificate it signed."""
+    ca = config.tls_client_ca_file.read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())],
+        root_certificates=ca, require_client_auth=ca is not None)
+
+
 class Server:
     """The gRPC server over a router; `port` is the bound one after start() (useful with port 0)."""
 
@@ -150,19 +159,28 @@ class Server:
 
     async def start(self) -> Server:
         """Bind and start (inside the event loop that will serve: grpc.aio binds to it)."""
+        token = self.config.auth_token
         self._server = grpc.aio.server(
+            interceptors=[BearerTokenInterceptor(token.get_secret_value())] if token else [],
             options=[("grpc.max_receive_message_length", self.config.limits.max_message_bytes)])
         self._server.add_generic_rpc_handlers((_handlers(LoopServeServicer(self.router, self.config)),))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.config.tls:
+            bound = self._server.add_secure_port(f"{self.host}:{self.port}", _tls(self.config))
+        else:
+            bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if bound == 0:
             raise OSError(f"cannot bind the gRPC server to {self.host}:{self.port}")
         self.port = bound
         await self._server.start()
         await self._update_health()
         self._health_task = asyncio.create_task(self._watch_health())
-        log.info("loopserve gRPC server on %s", self.address)
+        log.info("loopserve gRPC server on %s (%s, %s)", self.address,
+                 "TLS" if self.config.tls else "plaintext", "token" if token else "no auth")
+        if token is None and self.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving on %s without server.auth_token: anyone who reaches it can "
+                        "generate", self.host)
         return self
 
     async def _update_health(self) -> None:

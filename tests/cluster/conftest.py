@@ -90,6 +90,15 @@ def colocated_worker():
     handle.shutdown()
 
 
+@pytest.fixture(scope="module")
+def colocated_router(colocated_worker):
+    """A router over the in-process worker that all of a module's servers share (a second
+    router pumping the same worker would take half its events)."""
+    router = Router([colocated_worker], poll_s=0.1).start()
+    yield router
+    router.close()
+
+
 @pytest.fixture(autouse=True)
 def pools_back_to_baseline(request):
     """(d) of the issue: after every test on shared workers, every pool's accounting holds

@@ -14,9 +14,8 @@ from tests.cluster.inprocess import InProcessHandle
 HOLD = SamplingParams(max_tokens=400, ignore_eos=True)  # outlasts the test unless cancelled
 
 
-def test_past_max_pending_requests_new_streams_are_refused_until_some_end(colocated_worker, make_router):
-    router = make_router([colocated_worker])
-    with serving(router, max_pending_requests=2) as client:
+def test_past_max_pending_requests_new_streams_are_refused_until_some_end(colocated_router):
+    with serving(colocated_router, max_pending_requests=2) as client:
         held = [client.stream("hold", HOLD, f"bp-{i}") for i in range(2)]
         for call in held:
             next(call)  # both streams are open and generating
@@ -25,11 +24,11 @@ def test_past_max_pending_requests_new_streams_are_refused_until_some_end(coloca
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "server.max_pending_requests (2)" in e.value.details()
         assert client.health_check() == "SERVING"  # other RPCs still answer
-        assert router.num_live() == 2  # the refused one never reached the router
+        assert colocated_router.num_live() == 2  # the refused one never reached the router
         for call in held:
             call.cancel()
         # The server counts a stream out before the router forgets it (then aborts it).
-        until(lambda: router.num_live() == 0, what="held streams closed")
+        until(lambda: colocated_router.num_live() == 0, what="held streams closed")
         for i in range(3):
             done = list(client.generate("again", SamplingParams(max_tokens=2), f"bp-after-{i}"))
             assert done[-1].kind == "complete" and done[-1].completion_tokens == 2

@@ -19,7 +19,6 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import given, settings, strategies as st
 
 from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.router import Router
 from tests.cluster.conftest import ENGINE, serving
 
 VOCAB, MAX_LOOPS, MAX_MODEL_LEN = 384, 4, ENGINE["max_model_len"]  # tiny-huginn's bounds
@@ -34,13 +33,9 @@ NASTY = st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 0.0])
 
 
 @pytest.fixture(scope="module")
-def client(colocated_worker):
-    router = Router([colocated_worker], poll_s=0.1).start()
-    try:
-        with serving(router, limits=LIMITS) as c:
-            yield c
-    finally:
-        router.close()
+def client(colocated_router):
+    with serving(colocated_router, limits=LIMITS) as c:
+        yield c
 
 
 def send(client, raw: bytes, read_all: bool = True) -> tuple[grpc.StatusCode, str, list]:

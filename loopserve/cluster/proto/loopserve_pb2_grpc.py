@@ -61,6 +61,11 @@ class LoopServeServicer:
 
     def Generate(self, request, context):
         """Server-streaming generation keyed by request_id; cancelling the stream aborts the request.
+        Errors: INVALID_ARGUMENT (malformed message or a field out of its limits; the details
+        name the field and the limit), ALREADY_EXISTS (request_id of a live request),
+        RESOURCE_EXHAUSTED (server.max_pending_requests streams open, an engine queue full, or a
+        message over server.limits.max_message_bytes), UNAVAILABLE (no healthy worker),
+        UNAUTHENTICATED (server.auth_token set and no `authorization: Bearer <token>`; every RPC).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
