@@ -49,12 +49,18 @@ class _Kernels:
     fused = False
 
 
+def compiled(fn: Callable) -> Callable:
+    """torch.compile without fullgraph: past dynamo's recompile limit (new dtypes, 0/1 size
+    specialisations, grad modes) a fullgraph function raises mid-step; this one runs eager."""
+    return torch.compile(fn, dynamic=True)
+
+
 def fuse_elementwise() -> None:
     """Compile the elementwise kernels (process-wide, idempotent; CUDA engines opt in)."""
     if _Kernels.fused:
         return
     for name, fn in (("rms_norm", _rms_norm), ("rope", _rope), ("swiglu", _swiglu)):
-        setattr(_Kernels, name, staticmethod(torch.compile(fn, dynamic=True, fullgraph=True)))
+        setattr(_Kernels, name, staticmethod(compiled(fn)))
     _Kernels.fused = True
 
 
