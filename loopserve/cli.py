@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from loopserve.cluster.config import SERVER_FLAGS, add_server_args
+
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
@@ -53,7 +55,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve.cluster.job import main as job_main
 
     argv = ["--serve"] + (["--config", args.config] if args.config else [])
-    argv += [f"--{k}={v}" for k in ("host", "port", "duration") if (v := getattr(args, k)) is not None]
+    argv += [f"--{k.replace('_', '-')}={v}" for k in ("duration", *SERVER_FLAGS)
+             if (v := getattr(args, k)) is not None]
     return job_main(argv)
 
 
@@ -102,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="start a PD (or colocated) cluster behind the gRPC server")
     s.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
-    s.add_argument("--host", default=None)
-    s.add_argument("--port", type=int, default=None)
+    add_server_args(s)
     s.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("client", help="stream one reply from a running `loopserve serve`")

@@ -7,6 +7,7 @@ decode worker of the tiny model on a local CPU Ray cluster).
 from __future__ import annotations
 
 import os
+import argparse
 from pathlib import Path
 from typing import Literal
 
@@ -141,10 +142,10 @@ class ClusterConfig(_Strict):
         try:
             return EngineConfig(**{**self.engine.model_dump(exclude={"role"}), **overrides, "role": role})
         except ValidationError as e:
-            raise ValueError(f"{role}.engine: {_describe(e)}") from None
+            raise ValueError(f"{role}.engine: {describe(e)}") from None
 
 
-def _describe(e: ValidationError) -> str:
+def describe(e: ValidationError) -> str:
     """One line per problem: the dotted field path, what is wrong, and the value given."""
     parts = []
     for err in e.errors():
@@ -170,4 +171,30 @@ def load_cluster_config(source: str | Path | dict | None = None, **overrides) ->
     try:
         return ClusterConfig(**data)
     except ValidationError as e:
-        raise ConfigError(where + _describe(e)) from None
+        raise ConfigError(where + describe(e)) from None
+
+
+SERVER_FLAGS = {"host": "host", "port": "port", "tls_cert": "tls_cert_file", "tls_key": "tls_key_file",
+                "tls_client_ca": "tls_client_ca_file"}
+
+
+def server_overrides(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:
+    """The config's `server` with the command line's flags on top, validated like the YAML."""
+    overrides = {key: v for flag, key in SERVER_FLAGS.items() if (v := getattr(args, flag)) is not None}
+    if not overrides:
+        return config
+    try:
+        server = ServerConfig.model_validate({**config.server.model_dump(), **overrides})
+    except ValidationError as e:
+        raise ConfigError("command line: " + describe(e)) from None
+    return config.model_copy(update={"server": server})
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags over the config's `server` section (the bearer token stays in YAML or the env:
+    a flag would show it in the process list)."""
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--tls-cert", default=None, help="server certificate PEM (with --tls-key): TLS")
+    p.add_argument("--tls-key", default=None, help="server private key PEM")
+    p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA (mTLS)")

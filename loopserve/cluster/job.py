@@ -16,7 +16,7 @@ import sys
 import time
 
 from loopserve.cluster.cluster import Cluster, wait_idle
-from loopserve.cluster.config import load_cluster_config
+from loopserve.cluster.config import add_server_args, load_cluster_config, server_overrides
 from loopserve.cluster.workload import make_workload, run_workload, summarize
 
 
@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
     p.add_argument("--serve", action="store_true", help="serve gRPC instead of running a workload")
     p.add_argument("--duration", type=float, default=None, help="serve this many seconds, then exit")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    add_server_args(p)
     p.add_argument("--workload", type=int, default=8, help="number of requests to run")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s); default all at once")
@@ -36,10 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_job(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    config = load_cluster_config(args.config)
-    if overrides:
-        config = config.model_copy(update={"server": config.server.model_copy(update=overrides)})
+    config = server_overrides(load_cluster_config(args.config), args)
     with Cluster(config) as cluster:
         if args.serve:
             from loopserve.cluster.server import serve_forever

@@ -111,3 +111,24 @@ def test_process_launcher_pins_gpus(monkeypatch, gpus, visible, expect):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     specs = pin_gpus([WorkerSpec(f"w{i}", "prefill", {}, num_gpus=g) for i, g in enumerate(gpus)])
     assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in specs] == expect
+
+
+def test_serve_flags_override_the_server_section_validated_like_yaml(tmp_path, monkeypatch):
+    import argparse
+
+    from loopserve.cluster.config import add_server_args, server_overrides
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    base = load_cluster_config({"server": {"auth_token": "s3cret", "port": 7000}})
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("cert")
+    key.write_text("key")
+    cfg = server_overrides(base, p.parse_args(["--tls-cert", str(cert), "--tls-key", str(key), "--host", "::1"]))
+    assert cfg.server.tls and cfg.server.host == "::1" and cfg.server.port == 7000
+    assert cfg.server.auth_token.get_secret_value() == "s3cret"
+    assert server_overrides(base, p.parse_args([])) is base
+    with pytest.raises(ConfigError, match="command line: .*tls_cert_file and server.tls_key_file go together"):
+        server_overrides(base, p.parse_args(["--tls-cert", str(cert)]))
+    with pytest.raises(ConfigError, match="tls_key_file"):
+        server_overrides(base, p.parse_args(["--tls-cert", str(cert), "--tls-key", str(tmp_path / "none.pem")]))
