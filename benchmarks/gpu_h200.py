@@ -199,25 +199,62 @@ def part_nixl(base: dict) -> dict:
     return res
 
 
+def _kernel_table(prof, rows: int = 18) -> str:
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)
+
+
 def part_profile(model, name: str) -> dict:
-    """Where a batch-1 decode step's host time goes (cProfile of 60 engine steps)."""
+    """Where batch-1 decode and 8k prefill time goes: host phases (cProfile) and GPU kernels
+    (torch.profiler), per token / per prefill, with GPU-busy vs wall time."""
     import cProfile
     import io
     import pstats
 
-    e = engine(model, name, num_blocks=4 * 20 + 64, max_model_len=320)
-    e.add_request(list(range(1000, 1256)), SamplingParams(max_tokens=40, ignore_eos=True, exit_threshold=1.0))
-    for _ in range(30):
-        e.step()
-    prof = cProfile.Profile()
-    prof.enable()
+    from torch.profiler import ProfilerActivity, profile
+
+    e = engine(model, name, num_blocks=4 * 24 + 64, max_model_len=384)
+    e.add_request(list(range(1000, 1256)), SamplingParams(max_tokens=100, ignore_eos=True, exit_threshold=1.0))
     for _ in range(60):
         e.step()
     torch.cuda.synchronize()
+    steps = 60  # 10 tokens: PRELUDE + 4 RECURRENT + CODA each
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        e.step()
+    torch.cuda.synchronize()
     prof.disable()
+    wall = time.perf_counter() - t0
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    print(buf.getvalue()[:6000], flush=True)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    print(f"[profile] decode b1 graphs: {wall / steps * 6e3:.2f} ms/token (cProfile on)", flush=True)
+    print(buf.getvalue()[:7000], flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            e.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    evs = [ev for ev in tp.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(ev.device_time for ev in evs) / 1e3  # ms, kernels + copies
+    print(f"[profile] decode b1 graphs: wall {wall / steps * 6e3:.2f} ms/token, GPU busy "
+          f"{busy / steps * 6:.2f} ms/token, {len(evs) / steps * 6:.0f} device ops/token", flush=True)
+    print(_kernel_table(tp), flush=True)
+    del e
+    torch.cuda.empty_cache()
+    n = 8192
+    e = engine(model, name, num_blocks=(n + 32) // 16 * 4 + 16, max_num_batched_tokens=n)
+    prompt = [random.Random(1).randrange(1000, 40000) for _ in range(n)]
+    for run in range(2):
+        e.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True, exit_threshold=1.0))
+        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+            while e.has_unfinished():
+                e.step()
+            torch.cuda.synchronize()
+    evs = [ev for ev in tp.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"[profile] prefill 8k: GPU busy {sum(ev.device_time for ev in evs) / 1e3:.1f} ms", flush=True)
+    print(_kernel_table(tp, 22), flush=True)
     return {}
 
 

@@ -86,18 +86,18 @@ def _dory_forward(model: DoryModel, ids: torch.Tensor, min_loops: int, max_loops
     logits = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         pos = torch.arange(a, b, device=ids.device)
-        h = model.model.embed_tokens(ids[a:b])
+        h, rots = model.model.embed_tokens(ids[a:b]), model.rotations(pos)
         for i, layer in enumerate(model.input_layers):
-            h = model.run_layer(layer, h, pos, attend_fn(f"in{i}", layer, pos, True))
+            h = model.run_layer(layer, h, rots, attend_fn(f"in{i}", layer, pos, True))
         inp = l2norm(h)
         for d in range(1, loops + 1):
             h = model.loop_input(h, inp)
             for j, layer in enumerate(model.recurrent_layers):
                 key = f"rec{j}" if model.last_loop_kv else f"rec{j}@{d}"
                 store = d == loops or not model.last_loop_kv
-                h = model.run_layer(layer, h, pos, attend_fn(key, layer, pos, store))
+                h = model.run_layer(layer, h, rots, attend_fn(key, layer, pos, store))
         for j, layer in enumerate(model.output_layers):
-            h = model.run_layer(layer, h, pos, attend_fn(f"out{j}", layer, pos, True))
+            h = model.run_layer(layer, h, rots, attend_fn(f"out{j}", layer, pos, True))
         logits.append(model.head(h))
     return torch.cat(logits), torch.full((n,), loops, dtype=torch.long)
 
@@ -117,16 +117,16 @@ def dense_forward(model: LoopedModel, token_ids: list[int], min_loops: int, max_
     if isinstance(model, DoryModel):
         return _dory_forward(model, ids, min_loops, max_loops, exit_threshold, prompt_len)
     if isinstance(model, HuginnModel):
-        e = model.embed(ids)
+        e, rot = model.embed(ids), model.rope(pos)
         for blk in model.transformer.prelude:
-            e = blk(e, pos, model.rope, dense_attend(pos, blk.attn.scale))
+            e = blk(e, rot, dense_attend(pos, blk.attn.scale))
         x = model.initial_state(torch.full((n,), seed, dtype=torch.int64, device=dev), pos, e)
 
         def step(d, active, frozen):
             nonlocal x
             h = model.loop_input(x, e)
             for j, blk in enumerate(model.transformer.core_block):
-                h = blk(h, pos, model.rope, frozen.attend_fn(j, active, pos, blk.attn.scale))
+                h = blk(h, rot, frozen.attend_fn(j, active, pos, blk.attn.scale))
             scores = model.convergence(h, x)
 
             def commit(mask):
@@ -138,17 +138,17 @@ def dense_forward(model: LoopedModel, token_ids: list[int], min_loops: int, max_
         depth = _loop(model, n, step, min_loops, max_loops, exit_threshold)
         y = model.transformer.ln_f(x)
         for blk in model.transformer.coda:
-            y = blk(y, pos, model.rope, dense_attend(pos, blk.attn.scale))
+            y = blk(y, rot, dense_attend(pos, blk.attn.scale))
         return model.head(y), depth
     if isinstance(model, OuroModel):
-        h = model.model.embed_tokens(ids)
+        h, rot = model.model.embed_tokens(ids), model.rope(pos)
         remaining = torch.ones(n, device=dev)
 
         def step(d, active, frozen):
             nonlocal h, remaining
             g = h
             for j, layer in enumerate(model.model.layers):
-                g = layer(g, pos, model.rope, frozen.attend_fn(j, active, pos, layer.self_attn.scale))
+                g = layer(g, rot, frozen.attend_fn(j, active, pos, layer.self_attn.scale))
             g, rem, scores = model.end_of_loop(g, remaining)
 
             def commit(mask):

@@ -24,7 +24,7 @@ from torch import nn
 from loopserve.model.base import LoopedModel, LoopParams
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.config import DoryConfig
-from loopserve.model.layers import Attend, Rope
+from loopserve.model.layers import Attend, MergedLinear, Rope, Rotation
 from loopserve.model.paged_kv import KVSpec, PagedKVCache
 
 
@@ -69,14 +69,14 @@ class DoryAttention(nn.Module):
         self.s_gate_scale = e ** 0.25 / ir
         self.scale = self.hd ** -0.5
         self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
+        self.qkvg = MergedLinear(self.q_proj, self.k_proj, self.v_proj, self.gate_proj)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
         t = x.shape[0]
-        q = l2norm(self.q_proj(x).view(t, self.h, self.hd))
-        k = l2norm(self.k_proj(x).view(t, self.hkv, self.hd))
-        v = self.v_proj(x).view(t, self.hkv, self.hd)
-        gate = self.gate_proj(x)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k, v, gate = self.qkvg(x)
+        q = rot(l2norm(q.view(t, self.h, self.hd)))
+        k = rot(l2norm(k.view(t, self.hkv, self.hd)))
+        v = v.view(t, self.hkv, self.hd)
         q = q * (self.sqk * self.sqk_scale).view(self.h, self.hd).square()
         o = attend(q, k, v).reshape(t, -1)
         o = o * torch.sigmoid(gate * (self.s_gate * self.s_gate_scale).square())
@@ -93,10 +93,12 @@ class DoryMLP(nn.Module):
         self.suv_gate = nn.Parameter(torch.ones(i))
         self.suv_up = nn.Parameter(torch.ones(i))
         self.suv_scale = e ** 0.5
+        self.gate_up = MergedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x) * (self.suv_gate * self.suv_scale)
-        up = self.up_proj(x) * (self.suv_up * self.suv_scale)
+        gate, up = self.gate_up(x)
+        gate = gate * (self.suv_gate * self.suv_scale)
+        up = up * (self.suv_up * self.suv_scale)
         return self.down_proj(l2norm(F.silu(gate) * up))
 
 
@@ -113,9 +115,9 @@ class DoryDecoderLayer(nn.Module):
         self.lambda_2 = nn.Parameter(torch.full((cfg.hidden_size,), ir))
         self.lambda_scale = cfg.ngpt_alpha_init / ir
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
         x = l2norm(x)
-        a = l2norm(self.self_attn(x, positions, rope, attend))
+        a = l2norm(self.self_attn(x, rot, attend))
         x = x + (self.lambda_1 * self.lambda_scale).abs() * (a - x)
         x = l2norm(x)
         m = l2norm(self.mlp(x))
@@ -185,9 +187,14 @@ class DoryModel(LoopedModel):
         return 1 if self.last_loop_kv else depth
 
     # -- shared pieces (paged path and dense reference) -----------------------------------
-    def run_layer(self, layer: DoryDecoderLayer, x: torch.Tensor, positions: torch.Tensor,
+    def rotations(self, positions: torch.Tensor) -> dict[str, Rotation]:
+        """RoPE angles per layer type, once per Operation."""
+        return {t: rope(positions) for t, rope in self.ropes.items()}
+
+    @staticmethod
+    def run_layer(layer: DoryDecoderLayer, x: torch.Tensor, rots: dict[str, Rotation],
                   attend: Attend) -> torch.Tensor:
-        return layer(x, positions, self.ropes[layer.attention_type], attend)
+        return layer(x, rots[layer.attention_type], attend)
 
     @staticmethod
     def loop_input(h: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -202,22 +209,22 @@ class DoryModel(LoopedModel):
 
     # -- Operations ------------------------------------------------------------------------
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
-        h = self.model.embed_tokens(batch.token_ids)
+        h, rots = self.model.embed_tokens(batch.token_ids), self.rotations(batch.positions)
         for i, layer in enumerate(self.input_layers):
-            h = self.run_layer(layer, h, batch.positions, self._attend(batch, kv, "flat", i, layer))
+            h = self.run_layer(layer, h, rots, self._attend(batch, kv, "flat", i, layer))
         return LoopState(torch.cat([h, l2norm(h)], dim=-1), torch.zeros(h.shape[0], device=h.device))
 
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
         h, inp = state.hidden.chunk(2, dim=-1)
-        h = self.loop_input(h, inp)
+        h, rots = self.loop_input(h, inp), self.rotations(batch.positions)
         for j, layer in enumerate(self.recurrent_layers):
-            h = self.run_layer(layer, h, batch.positions, self._attend(batch, kv, "looped", j, layer))
+            h = self.run_layer(layer, h, rots, self._attend(batch, kv, "looped", j, layer))
         score = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
         return LoopState(torch.cat([h, inp], dim=-1), state.aux), score
 
     def coda(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> torch.Tensor:
         h = state.hidden[:, : self.config.hidden_size]
-        base = self.config.n_input_layers
+        base, rots = self.config.n_input_layers, self.rotations(batch.positions)
         for j, layer in enumerate(self.output_layers):
-            h = self.run_layer(layer, h, batch.positions, self._attend(batch, kv, "flat", base + j, layer))
+            h = self.run_layer(layer, h, rots, self._attend(batch, kv, "flat", base + j, layer))
         return self.head(h.index_select(0, batch.logits_indices))

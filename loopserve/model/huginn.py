@@ -13,7 +13,7 @@ from torch import nn
 from loopserve.model.base import LoopedModel, LoopParams
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.config import HuginnConfig
-from loopserve.model.layers import Attend, RMSNorm, Rope, swiglu
+from loopserve.model.layers import Attend, RMSNorm, Rope, Rotation, swiglu
 from loopserve.model.paged_kv import KVSpec, PagedKVCache
 
 _M = 2147483647  # 2^31 - 1: products of two residues fit in int64
@@ -50,13 +50,13 @@ class HuginnAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.Wqkv(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], -1)
         q, k, v = q.view(t, self.h, self.hd), k.view(t, self.hkv, self.hd), v.view(t, self.hkv, self.hd)
         if hasattr(self, "qk_bias"):
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        return self.proj(attend(rope(q, positions), rope(k, positions), v).reshape(t, -1))
+        return self.proj(attend(rot(q), rot(k), v).reshape(t, -1))
 
 
 class GatedMLP(nn.Module):
@@ -76,8 +76,8 @@ class SandwichBlock(nn.Module):
         self.norm_1, self.attn, self.norm_2 = RMSNorm(e, eps), HuginnAttention(cfg), RMSNorm(e, eps)
         self.mlp, self.norm_3, self.norm_4 = GatedMLP(cfg), RMSNorm(e, eps), RMSNorm(e, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
-        x = self.norm_2(self.attn(self.norm_1(x), positions, rope, attend) + x)
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
+        x = self.norm_2(self.attn(self.norm_1(x), rot, attend) + x)
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
 
@@ -134,22 +134,22 @@ class HuginnModel(LoopedModel):
 
     # -- Operations ------------------------------------------------------------------------
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
-        x = self.embed(batch.token_ids)
+        x, rot = self.embed(batch.token_ids), self.rope(batch.positions)
         for i, blk in enumerate(self.transformer.prelude):
-            x = blk(x, batch.positions, self.rope, self.paged_attend(batch, kv, "flat", i, blk.attn.scale))
+            x = blk(x, rot, self.paged_attend(batch, kv, "flat", i, blk.attn.scale))
         x0 = self.initial_state(batch.seeds, batch.positions, x)
         return LoopState(torch.cat([x0, x], dim=-1), torch.zeros(x.shape[0], device=x.device))
 
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
         x_old, e = state.hidden.chunk(2, dim=-1)
-        x = self.loop_input(x_old, e)
+        x, rot = self.loop_input(x_old, e), self.rope(batch.positions)
         for j, blk in enumerate(self.transformer.core_block):
-            x = blk(x, batch.positions, self.rope, self.paged_attend(batch, kv, "looped", j, blk.attn.scale))
+            x = blk(x, rot, self.paged_attend(batch, kv, "looped", j, blk.attn.scale))
         return LoopState(torch.cat([x, e], dim=-1), state.aux), self.convergence(x, x_old)
 
     def coda(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> torch.Tensor:
         x = self.transformer.ln_f(state.hidden[:, : self.config.n_embd])
-        base = self.config.n_layers_in_prelude
+        base, rot = self.config.n_layers_in_prelude, self.rope(batch.positions)
         for i, blk in enumerate(self.transformer.coda):
-            x = blk(x, batch.positions, self.rope, self.paged_attend(batch, kv, "flat", base + i, blk.attn.scale))
+            x = blk(x, rot, self.paged_attend(batch, kv, "flat", base + i, blk.attn.scale))
         return self.head(x.index_select(0, batch.logits_indices))

@@ -7,6 +7,7 @@ dense reference share the layer math but not the KV handling.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor,
+                  out_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + rms_norm(delta), and rms_norm of that sum (the next sub-layer's input): one pass."""
+    x = x + _rms_norm(delta, delta_weight, eps)
+    return x, (None if out_weight is None else _rms_norm(x, out_weight, eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     xf = x.float()
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
@@ -44,6 +50,7 @@ class _Kernels:
     decode step on a GPU even under CUDA graphs)."""
 
     rms_norm = staticmethod(_rms_norm)
+    add_rms_norm = staticmethod(_add_rms_norm)
     rope = staticmethod(_rope)
     swiglu = staticmethod(_swiglu)
     fused = False
@@ -59,7 +66,8 @@ def fuse_elementwise() -> None:
     """Compile the elementwise kernels (process-wide, idempotent; CUDA engines opt in)."""
     if _Kernels.fused:
         return
-    for name, fn in (("rms_norm", _rms_norm), ("rope", _rope), ("swiglu", _swiglu)):
+    for name, fn in (("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rope", _rope),
+                     ("swiglu", _swiglu)):
         setattr(_Kernels, name, staticmethod(compiled(fn)))
     _Kernels.fused = True
 
@@ -74,9 +82,31 @@ class RMSNorm(nn.Module):
         return _Kernels.rms_norm(x, self.weight, self.eps)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm,
+                 out_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + delta_norm(delta), out_norm(that)): a sandwich layer's residual and the next
+    norm in one kernel when fused (the norms must share eps)."""
+    return _Kernels.add_rms_norm(x, delta, delta_norm.weight, None if out_norm is None else out_norm.weight,
+                                 delta_norm.eps)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """RoPE angles of one batch's positions, computed once per Operation and applied in
+    every layer (per layer, the trigonometry cost more than the rotation)."""
+
+    cos: torch.Tensor  # [T, 1, D/2] fp32
+    sin: torch.Tensor
+    interleaved: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> rotated, computed in fp32."""
+        return _Kernels.rope(x, self.cos, self.sin, self.interleaved)
+
+
 class Rope(nn.Module):
-    """RoPE computed from positions; `interleaved` rotates adjacent pairs (Huginn), else
-    halves (Llama/Ouro's rotate_half)."""
+    """RoPE from positions; `interleaved` rotates adjacent pairs (Huginn), else halves
+    (Llama/Ouro's rotate_half)."""
 
     def __init__(self, head_dim: int, theta: float, interleaved: bool) -> None:
         super().__init__()
@@ -84,9 +114,50 @@ class Rope(nn.Module):
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] -> rotated, computed in fp32."""
-        return _Kernels.rope(x, positions, self.inv_freq.to(x.device), self.interleaved)
+    def forward(self, positions: torch.Tensor) -> Rotation:
+        ang = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
+        return Rotation(ang.cos()[:, None, :], ang.sin()[:, None, :], self.interleaved)
+
+
+class MergedLinear:
+    """Linear layers that read one input, run as one matmul (q/k/v, gate/up): at decode
+    batch sizes each matmul is a weight-bound GEMV, and one wide GEMV streams weights
+    faster than three narrow ones and launches one kernel instead of three.
+
+    The first call concatenates the weights and re-points each layer's parameters at their
+    slice of it, so state_dict names, checkpoint loading (in-place copies) and memory stay
+    as they were; if the parameters are replaced (`.to()`, a new load) it merges again.
+    """
+
+    def __init__(self, *parts: nn.Linear) -> None:
+        self.parts = parts
+        self.sizes = [p.out_features for p in parts]
+        self._ptrs: list[int] = []
+        self._weight: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        self._weight = torch.cat([p.weight for p in self.parts])
+        for p, w in zip(self.parts, self._weight.split(self.sizes)):
+            p.weight.data = w
+        biases = [p.bias for p in self.parts]
+        self._bias = None
+        if any(b is not None for b in biases):
+            self._bias = torch.cat([b if b is not None else self._weight.new_zeros(n)
+                                    for b, n in zip(biases, self.sizes)])
+            for p, b in zip(self.parts, self._bias.split(self.sizes)):
+                if p.bias is not None:
+                    p.bias.data = b
+        self._ptrs = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        return [t.data_ptr() for p in self.parts for t in (p.weight, p.bias) if t is not None]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._pointers() != self._ptrs:
+            self._merge()
+        return F.linear(x, self._weight, self._bias).split(self.sizes, dim=-1)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

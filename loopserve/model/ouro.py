@@ -12,7 +12,7 @@ from torch import nn
 from loopserve.model.base import LoopedModel, LoopParams
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.config import OuroConfig
-from loopserve.model.layers import Attend, RMSNorm, Rope, swiglu
+from loopserve.model.layers import Attend, MergedLinear, RMSNorm, Rope, Rotation, add_rms_norm, swiglu
 from loopserve.model.paged_kv import KVSpec, PagedKVCache
 
 
@@ -25,13 +25,14 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.scale = self.hd ** -0.5
+        self.qkv = MergedLinear(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
         t = x.shape[0]
-        q = rope(self.q_proj(x).view(t, self.h, self.hd), positions)
-        k = rope(self.k_proj(x).view(t, self.hkv, self.hd), positions)
-        v = self.v_proj(x).view(t, self.hkv, self.hd)
-        return self.o_proj(attend(q, k, v).reshape(t, -1))
+        q, k, v = self.qkv(x)
+        q = rot(q.view(t, self.h, self.hd))
+        k = rot(k.view(t, self.hkv, self.hd))
+        return self.o_proj(attend(q, k, v.view(t, self.hkv, self.hd)).reshape(t, -1))
 
 
 class OuroMLP(nn.Module):
@@ -40,9 +41,10 @@ class OuroMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = MergedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*self.gate_up(x)))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -53,9 +55,10 @@ class OuroDecoderLayer(nn.Module):
         self.input_layernorm, self.input_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
         self.post_attention_layernorm, self.post_attention_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), positions, rope, attend))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), rot, attend)
+        x, h = add_rms_norm(x, a, self.input_layernorm_2, self.post_attention_layernorm)
+        return add_rms_norm(x, self.mlp(h), self.post_attention_layernorm_2)[0]
 
 
 class _OuroBody(nn.Module):
@@ -97,10 +100,9 @@ class OuroModel(LoopedModel):
         return LoopState(h, torch.ones(h.shape[0], device=h.device))
 
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
-        h = state.hidden
+        h, rot = state.hidden, self.rope(batch.positions)
         for j, layer in enumerate(self.model.layers):
-            h = layer(h, batch.positions, self.rope,
-                      self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
+            h = layer(h, rot, self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
         h, remaining, score = self.end_of_loop(h, state.aux)
         return LoopState(h, remaining), score
 

@@ -92,7 +92,8 @@ def save_model(model: LoopedModel, directory: str | Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     cfg = model.config.model_dump(exclude_none=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous().cpu() for k, v in _checkpoint_tensors(model).items()},
+    # clone: merged projections (layers.MergedLinear) leave weights as views of one tensor
+    save_file({k: v.detach().cpu().clone() for k, v in _checkpoint_tensors(model).items()},
               str(d / "model.safetensors"))
 
 
