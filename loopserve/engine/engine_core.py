@@ -294,27 +294,39 @@ class EngineCore:
             exited = self.runner.recurrent(batch, reqs, tables, self._draft_loops())
             return BatchResult({i.request_id: ItemResult(exited=exited[i.request_id]) for i in batch.items})
         logits = self.runner.coda(batch, reqs, tables)
-        return BatchResult({i.request_id: self._sample_item(i, reqs[i.request_id], logits[i.request_id])
-                            for i in batch.items})
+        return BatchResult(self._sample(batch.items, reqs, logits))
 
     def _draft_loops(self) -> int:
         return self.config.speculative.draft_loops if self.config.speculative else 0
 
-    def _sample_item(self, item: BatchItem, req: Request, logits: torch.Tensor | None) -> ItemResult:
-        if req.finished or logits is None:  # aborted in flight, or a coda that only writes KV
-            return ItemResult(finished=req.finished)
-        if item.draft:
-            tok = int(torch.argmax(logits[0]).item())
-            req.draft_token_ids.append(tok)
-            self.counters.spec_drafted += 1
-            return ItemResult(sampled=(tok,))
-        if item.verify:
-            return self._accept(item, req, logits)
-        pos = item.logits_positions[0]
-        s = sample_rows(logits, [req.params], [req.seed], [len(req.output_token_ids)])[0]
-        req.append(s, pos)
-        self.counters.tokens_generated += 1
-        return ItemResult(sampled=(s.token_id,), finished=req.finished)
+    def _sample(self, items: list[BatchItem], reqs: dict[str, Request],
+                logits: dict[str, torch.Tensor | None]) -> dict[str, ItemResult]:
+        """Every item's CODA result; ordinary next tokens are sampled in one call for the
+        whole batch (one device sync, not one per request)."""
+        out: dict[str, ItemResult] = {}
+        plain: list[BatchItem] = []
+        for item in items:
+            req, lg = reqs[item.request_id], logits[item.request_id]
+            if req.finished or lg is None:  # aborted in flight, or a coda that only writes KV
+                out[item.request_id] = ItemResult(finished=req.finished)
+            elif item.draft:
+                tok = int(torch.argmax(lg[0]).item())
+                req.draft_token_ids.append(tok)
+                self.counters.spec_drafted += 1
+                out[item.request_id] = ItemResult(sampled=(tok,))
+            elif item.verify:
+                out[item.request_id] = self._accept(item, req, lg)
+            else:
+                plain.append(item)
+        if plain:
+            mine = [reqs[i.request_id] for i in plain]
+            samples = sample_rows(torch.stack([logits[i.request_id][0] for i in plain]), [r.params for r in mine],
+                                  [r.seed for r in mine], [len(r.output_token_ids) for r in mine])
+            for item, req, s in zip(plain, mine, samples):
+                req.append(s, item.logits_positions[0])
+                self.counters.tokens_generated += 1
+                out[item.request_id] = ItemResult(sampled=(s.token_id,), finished=req.finished)
+        return {i.request_id: out[i.request_id] for i in items}
 
     def _accept(self, item: BatchItem, req: Request, logits: torch.Tensor) -> ItemResult:
         """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with."""

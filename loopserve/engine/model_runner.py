@@ -12,8 +12,8 @@ from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
-from loopserve.model.batch import LoopState, ModelBatch, build_attn_metadata
-from loopserve.model.exit_rule import exit_mask
+from loopserve.model.batch import LoopState, ModelBatch, build_attn_metadata, device_tensor
+from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import BatchItem, Operation, ScheduledBatch
 
@@ -91,62 +91,46 @@ class ModelRunner:
         dev = self.device
         token_ids = seeds = logits_indices = None
         if with_tokens:
-            token_ids = torch.tensor(
-                [reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions], device=dev)
-            seeds = torch.tensor([reqs[i.request_id].seed for i in batch.items for _ in i.positions],
-                                 dtype=torch.int64, device=dev)
+            token_ids = device_tensor([reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions],
+                                      torch.int64, dev)
+            seeds = device_tensor([reqs[i.request_id].seed for i in batch.items for _ in i.positions],
+                                  torch.int64, dev)
         if op is Operation.CODA:
             idx, row = [], 0
             for item in batch.items:
                 want = set(item.logits_positions)
                 idx += [row + j for j, p in enumerate(item.positions) if p in want]
                 row += len(item.positions)
-            logits_indices = torch.tensor(idx, dtype=torch.long, device=dev)
+            logits_indices = device_tensor(idx, torch.int64, dev)
         return ModelBatch(
             operation=op,
-            positions=torch.tensor(rows_pos, dtype=torch.long, device=dev),
-            depths=torch.tensor(depths, dtype=torch.long, device=dev),
+            positions=attn.positions,
+            depths=device_tensor(depths, torch.int64, dev),
             token_ids=token_ids,
             seeds=seeds,
             logits_indices=logits_indices,
             attn=attn,
         )
 
-    def _gather_state(self, batch: ScheduledBatch) -> LoopState:
-        parts = [self.states.get(i.request_id, list(i.positions)) for i in batch.items]
-        return LoopState(torch.cat([h for h, _ in parts]), torch.cat([a for _, a in parts]))
-
-    def _scatter_state(self, batch: ScheduledBatch, state: LoopState) -> None:
-        row = 0
-        for item in batch.items:
-            n = len(item.positions)
-            self.states.put(item.request_id, list(item.positions),
-                            state.hidden[row:row + n], state.aux[row:row + n])
-            row += n
+    def _state_rows(self, batch: ScheduledBatch, assign: bool = False) -> torch.Tensor:
+        return self.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign)
 
     # ------------------------------------------------------------------ operations
     @torch.inference_mode()
     def prelude(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable]) -> None:
         mb = self._batch(batch, reqs, tables, with_tokens=True)
-        self._scatter_state(batch, self._forward(mb, None))
+        state = self._forward(mb, None)
+        self.states.put(self._state_rows(batch, assign=True), state.hidden, state.aux)
 
     @torch.inference_mode()
     def recurrent(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                   draft_loops: int) -> dict[str, tuple[int, ...]]:
         """One loop for every row; returns, per request, the positions that made their final exit."""
         mb = self._batch(batch, reqs, tables)
-        state, score = self._forward(mb, self._gather_state(batch))
-        self._scatter_state(batch, state)
-        lo, hi, thr = [], [], []
-        for item in batch.items:
-            p = reqs[item.request_id].params
-            n = len(item.positions)
-            lo += [p.min_loops] * n
-            hi += [p.max_loops] * n
-            thr += [p.exit_threshold] * n
-        dev = self.device
-        exits = exit_mask(mb.depths, score, torch.tensor(lo, device=dev), torch.tensor(hi, device=dev),
-                          torch.tensor(thr, device=dev)).tolist()
+        rows = self._state_rows(batch)
+        state, score = self._forward(mb, LoopState(*self.states.get(rows)))
+        self.states.put(rows, state.hidden, state.aux)
+        exits = self._exits(batch, reqs, mb, score)
         exited: dict[str, tuple[int, ...]] = {}
         src, dst, row = [], [], 0
         bs = self.layout.block_size
@@ -163,15 +147,35 @@ class ModelRunner:
                     src.append(here)
                     dst.append(plane[p // bs] * bs + p % bs)
         if src:
-            self.kv.copy_slots_looped(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            dev = self.device
+            self.kv.copy_slots_looped(device_tensor(src, torch.int64, dev), device_tensor(dst, torch.int64, dev))
         return exited
+
+    def _exits(self, batch: ScheduledBatch, reqs: dict[str, Request], mb: ModelBatch,
+               score: torch.Tensor) -> list[bool]:
+        """Per row: exits after this loop. Read from the device only when a score can change
+        a decision (adaptive exit in [min, max) loops): otherwise the host knows, and the next
+        batch is prepared while this one is still running."""
+        lo, hi, thr, known = [], [], [], []
+        for item in batch.items:
+            p = reqs[item.request_id].params
+            n = len(item.positions)
+            lo += [p.min_loops] * n
+            hi += [p.max_loops] * n
+            thr += [p.exit_threshold] * n
+            known += [exit_without_score(item.depth, p.min_loops, p.max_loops, p.exit_threshold)] * n
+        if None not in known:
+            return known
+        dev = self.device
+        return exit_mask(mb.depths, score, device_tensor(lo, torch.int64, dev), device_tensor(hi, torch.int64, dev),
+                         device_tensor(thr, torch.float32, dev)).tolist()
 
     @torch.inference_mode()
     def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],
              tables: dict[str, BlockTable]) -> dict[str, torch.Tensor | None]:
         """Coda for every row (writes coda KV); logits of each item's logits_positions."""
         mb = self._batch(batch, reqs, tables)
-        logits = self._forward(mb, self._gather_state(batch))
+        logits = self._forward(mb, LoopState(*self.states.get(self._state_rows(batch))))
         out: dict[str, torch.Tensor | None] = {}
         row = 0
         for item in batch.items:

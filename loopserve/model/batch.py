@@ -9,6 +9,20 @@ import torch
 from loopserve.scheduler.types import Operation
 
 
+def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without stalling the host: on CUDA it is staged in pinned
+    memory and copied asynchronously (a pageable copy waits for the GPU's queue to drain,
+    so the next batch could not be prepared while this one runs)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass
 class AttnMetadata:
     """Rows grouped in segments: one request's rows on one KV plane, ascending positions."""
@@ -75,11 +89,11 @@ def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: li
     slots = [seg_blocks[s][p // block_size] * block_size + p % block_size if seg_blocks[s] else -1
              for s, p in zip(rows_seg, rows_pos)]
     return AttnMetadata(
-        seg_starts=torch.tensor(starts, dtype=torch.int64, device=device),
-        block_tables=table.to(device),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        positions=torch.tensor(rows_pos, dtype=torch.int64, device=device),
+        seg_starts=device_tensor(starts, torch.int64, device),
+        block_tables=_to_device(table, device),
+        context_lens=device_tensor(ctx, torch.int32, device),
+        slot_mapping=device_tensor(slots, torch.int64, device),
+        positions=device_tensor(rows_pos, torch.int64, device),
         block_size=block_size,
         max_context_len=max(ctx, default=0),
         seg_bounds=list(zip(starts[:-1], starts[1:])),
@@ -104,11 +118,11 @@ def subset(meta: AttnMetadata, segs: list[int]) -> tuple[torch.Tensor, AttnMetad
         a, b = meta.seg_bounds[s]
         starts.append(starts[-1] + b - a)
     dev = meta.positions.device
-    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-    sel = torch.tensor(segs, dtype=torch.int64, device=dev)
+    idx = device_tensor(rows, torch.int64, dev)
+    sel = device_tensor(segs, torch.int64, dev)
     ctx = [meta.seg_context_lens[s] for s in segs]
     return idx, AttnMetadata(
-        seg_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
+        seg_starts=device_tensor(starts, torch.int64, dev),
         block_tables=meta.block_tables.index_select(0, sel),
         context_lens=meta.context_lens.index_select(0, sel),
         slot_mapping=meta.slot_mapping.index_select(0, idx),

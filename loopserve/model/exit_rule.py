@@ -11,3 +11,12 @@ def exit_mask(depths: torch.Tensor, scores: torch.Tensor, min_loops: torch.Tenso
     score reaching the threshold; a threshold >= 1.0 means fixed depth (`max_loops`)."""
     early = (thresholds < 1.0) & (scores.float() >= thresholds)
     return (depths >= min_loops) & ((depths >= max_loops) | early)
+
+
+def exit_without_score(depth: int, min_loops: int, max_loops: int, threshold: float) -> bool | None:
+    """`exit_mask` for one row decided on the host, or None where only the score can decide."""
+    if depth < min_loops:
+        return False
+    if depth >= max_loops:
+        return True
+    return False if threshold >= 1.0 else None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.model.batch import device_tensor
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -43,7 +45,7 @@ class PagedKVCache:
         return self.pool(kind)[:, layer]
 
     def zero_blocks(self, kind: str, block_ids: list[int]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.looped.device)
+        idx = device_tensor(block_ids, torch.long, self.looped.device)
         self.pool(kind).index_fill_(0, idx, 0)
 
     def copy_slots_looped(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -52,9 +54,9 @@ class PagedKVCache:
         self.looped[dst_slots // bs, :, :, dst_slots % bs] = self.looped[src_slots // bs, :, :, src_slots % bs]
 
     def gather_blocks(self, kind: str, block_ids: list[int]) -> torch.Tensor:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.looped.device)
+        idx = device_tensor(block_ids, torch.long, self.looped.device)
         return self.pool(kind).index_select(0, idx).cpu()
 
     def scatter_blocks(self, kind: str, block_ids: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.looped.device)
+        idx = device_tensor(block_ids, torch.long, self.looped.device)
         self.pool(kind).index_copy_(0, idx, data.to(self.looped.device))
