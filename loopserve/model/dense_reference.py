@@ -146,9 +146,7 @@ def dense_forward(model: LoopedModel, token_ids: list[int], min_loops: int, max_
 
         def step(d, active, frozen):
             nonlocal h, remaining
-            g = h
-            for j, layer in enumerate(model.model.layers):
-                g = layer(g, rot, frozen.attend_fn(j, active, pos, layer.self_attn.scale))
+            g = model.run_layers(h, rot, lambda j, layer: frozen.attend_fn(j, active, pos, layer.self_attn.scale))
             g, rem, scores = model.end_of_loop(g, remaining)
 
             def commit(mask):

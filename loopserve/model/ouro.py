@@ -6,6 +6,8 @@ gate, score 1 − Π(1 − σ(gate)); CODA = lm_head on the exit loop's normed h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,10 +57,13 @@ class OuroDecoderLayer(nn.Module):
         self.input_layernorm, self.input_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
         self.post_attention_layernorm, self.post_attention_layernorm_2 = RMSNorm(h, eps), RMSNorm(h, eps)
 
-    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), rot, attend)
+    def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend, normed: torch.Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x out, next_norm(x out)); `normed` is input_layernorm(x) when the layer before
+        computed it in its last kernel (one kernel per layer fewer)."""
+        a = self.self_attn(self.input_layernorm(x) if normed is None else normed, rot, attend)
         x, h = add_rms_norm(x, a, self.input_layernorm_2, self.post_attention_layernorm)
-        return add_rms_norm(x, self.mlp(h), self.post_attention_layernorm_2)[0]
+        return add_rms_norm(x, self.mlp(h), self.post_attention_layernorm_2, next_norm)
 
 
 class _OuroBody(nn.Module):
@@ -95,14 +100,21 @@ class OuroModel(LoopedModel):
         remaining = remaining * (1.0 - lam)
         return h, remaining, 1.0 - remaining
 
+    def run_layers(self, h: torch.Tensor, rot: Rotation, attend_of: Callable[[int, OuroDecoderLayer], Attend]) -> torch.Tensor:
+        """One loop over the layer stack (paged path and dense reference)."""
+        layers, normed = self.model.layers, None
+        for j, layer in enumerate(layers):
+            nxt = layers[j + 1].input_layernorm if j + 1 < len(layers) else None
+            h, normed = layer(h, rot, attend_of(j, layer), normed, nxt)
+        return h
+
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
         h = self.model.embed_tokens(batch.token_ids)
         return LoopState(h, torch.ones(h.shape[0], device=h.device))
 
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
-        h, rot = state.hidden, self.rope(batch.positions)
-        for j, layer in enumerate(self.model.layers):
-            h = layer(h, rot, self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
+        h = self.run_layers(state.hidden, self.rope(batch.positions),
+                            lambda j, layer: self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
         h, remaining, score = self.end_of_loop(h, state.aux)
         return LoopState(h, remaining), score
 
