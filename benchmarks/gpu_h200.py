@@ -6,7 +6,7 @@
 3. continuous-depth (refill) vs fixed-cohort (no_refill) tokens/s at adaptive exit;
 4. NIXL KV READ between two processes on the one GPU vs torch D2D copy of the same bytes.
 
-Usage: python benchmarks/gpu_h200.py [--parts 1,2,3,4] [--model ouro-1.4b-shape] [--out DIR]
+Usage: python benchmarks/gpu_h200.py [--parts 1,2,3,4,p] [--decode-batches 1,8,64,256] [--model ouro-1.4b-shape] [--out DIR]
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def weight_bytes_per_token(model) -> int:
     return looped * model.max_loops + head
 
 
-def part_decode(model, name: str, base: dict) -> dict:
+def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256)) -> dict:
     """Eager launches vs CUDA-graph replays of the same engine, each vs the weight-read bound."""
     out = {}
     bound = weight_bytes_per_token(model) / (base["copy_GBps"] * 1e9)
-    for batch in (1, 8, 64, 256):
+    for batch in batches:
         for graphs in (False, True):
             e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288,
                        cuda_graphs=graphs)
@@ -283,6 +283,7 @@ def main() -> None:
     ap.add_argument("--parts", default="1,2,3,4")
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode-batches", default="1,8,64,256", help="part 1's batch sizes")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
@@ -291,7 +292,8 @@ def main() -> None:
           f"{base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = {"baseline": base, "command": "python " + " ".join(sys.argv)}
     model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0) if parts & {"1", "2", "3", "p"} else None
-    for key, fn in (("1", lambda: part_decode(model, args.model, base)),
+    for key, fn in (("1", lambda: part_decode(model, args.model, base,
+                                              tuple(int(b) for b in args.decode_batches.split(",")))),
                     ("2", lambda: part_prefill(model, args.model, base)),
                     ("3", lambda: part_refill(model, args.model)),
                     ("4", lambda: part_nixl(base)),
