@@ -29,6 +29,9 @@ def test_compiled_add_rms_norm_and_rope_match_eager():
     torch.testing.assert_close(want[0], x + layers._rms_norm(d, wd, 1e-6))
     torch.testing.assert_close(want[1], layers._rms_norm(want[0], wo, 1e-6))
     assert layers._add_rms_norm(x, d, wd, None, 1e-6)[1] is None
+    last = layers.compiled(layers._add_rms_norm)(x, d, wd, None, 1e-6)  # a stack's last layer
+    torch.testing.assert_close(last[0], want[0])
+    assert last[1] is None
     for interleaved in (False, True):
         rot = layers.Rope(16, 10000.0, interleaved)(torch.tensor([0, 3, 5, 100, 7, 8, 9]))
         q = torch.randn(7, 4, 16)
