@@ -156,19 +156,19 @@ class ModelRunner:
         """Per row: exits after this loop. Read from the device only when a score can change
         a decision (adaptive exit in [min, max) loops): otherwise the host knows, and the next
         batch is prepared while this one is still running."""
-        lo, hi, thr, known = [], [], [], []
-        for item in batch.items:
-            p = reqs[item.request_id].params
-            n = len(item.positions)
-            lo += [p.min_loops] * n
-            hi += [p.max_loops] * n
-            thr += [p.exit_threshold] * n
-            known += [exit_without_score(item.depth, p.min_loops, p.max_loops, p.exit_threshold)] * n
+        params = [reqs[i.request_id].params for i in batch.items]
+        counts = [len(i.positions) for i in batch.items]
+        known = [exit_without_score(i.depth, p.min_loops, p.max_loops, p.exit_threshold)
+                 for i, p in zip(batch.items, params)]
         if None not in known:
-            return known
-        dev = self.device
-        return exit_mask(mb.depths, score, device_tensor(lo, torch.int64, dev), device_tensor(hi, torch.int64, dev),
-                         device_tensor(thr, torch.float32, dev)).tolist()
+            return [k for k, n in zip(known, counts) for _ in range(n)]
+
+        def per_row(field: str, dtype: torch.dtype) -> torch.Tensor:
+            return device_tensor([getattr(p, field) for p, n in zip(params, counts) for _ in range(n)],
+                                 dtype, self.device)
+
+        return exit_mask(mb.depths, score, per_row("min_loops", torch.int64), per_row("max_loops", torch.int64),
+                         per_row("exit_threshold", torch.float32)).tolist()
 
     @torch.inference_mode()
     def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],

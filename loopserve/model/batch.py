@@ -13,10 +13,7 @@ def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Ten
     """A host list on `device` without stalling the host: on CUDA it is staged in pinned
     memory and copied asynchronously (a pageable copy waits for the GPU's queue to drain,
     so the next batch could not be prepared while this one runs)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return _to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,11 +21,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor,
-                  out_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, eps: float,
+                  out_weight: torch.Tensor | None, out_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x + rms_norm(delta), and rms_norm of that sum (the next sub-layer's input): one pass."""
     x = x + _rms_norm(delta, delta_weight, eps)
-    return x, (None if out_weight is None else _rms_norm(x, out_weight, eps))
+    return x, (None if out_weight is None else _rms_norm(x, out_weight, out_eps))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -85,9 +85,10 @@ class RMSNorm(nn.Module):
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm,
                  out_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x + delta_norm(delta), out_norm(that)): a sandwich layer's residual and the next
-    norm in one kernel when fused (the norms must share eps)."""
-    return _Kernels.add_rms_norm(x, delta, delta_norm.weight, None if out_norm is None else out_norm.weight,
-                                 delta_norm.eps)
+    norm in one kernel when fused."""
+    if out_norm is None:
+        return _Kernels.add_rms_norm(x, delta, delta_norm.weight, delta_norm.eps, None, 0.0)
+    return _Kernels.add_rms_norm(x, delta, delta_norm.weight, delta_norm.eps, out_norm.weight, out_norm.eps)
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ def test_compiled_add_rms_norm_and_rope_match_eager():
     torch._dynamo.reset()
     x, d = torch.randn(7, 32), torch.randn(7, 32)
     wd, wo = torch.rand(32) + 0.5, torch.rand(32) + 0.5
-    got = layers.compiled(layers._add_rms_norm)(x, d, wd, wo, 1e-6)
-    want = layers._add_rms_norm(x, d, wd, wo, 1e-6)
+    got = layers.compiled(layers._add_rms_norm)(x, d, wd, 1e-6, wo, 1e-5)
+    want = layers._add_rms_norm(x, d, wd, 1e-6, wo, 1e-5)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(want[0], x + layers._rms_norm(d, wd, 1e-6))
-    torch.testing.assert_close(want[1], layers._rms_norm(want[0], wo, 1e-6))
-    assert layers._add_rms_norm(x, d, wd, None, 1e-6)[1] is None
-    last = layers.compiled(layers._add_rms_norm)(x, d, wd, None, 1e-6)  # a stack's last layer
+    torch.testing.assert_close(want[1], layers._rms_norm(want[0], wo, 1e-5))
+    assert layers._add_rms_norm(x, d, wd, 1e-6, None, 0.0)[1] is None
+    last = layers.compiled(layers._add_rms_norm)(x, d, wd, 1e-6, None, 0.0)  # a stack's last layer
     torch.testing.assert_close(last[0], want[0])
     assert last[1] is None
     for interleaved in (False, True):
