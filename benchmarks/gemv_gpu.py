@@ -1,0 +1,84 @@
+"""Batch-1 GEMV on CUDA: a Triton kernel (best of 12 tile configs per shape) vs cuBLAS
+(F.linear), both timed inside CUDA graphs (50 calls per graph, launch gaps included).
+
+The shapes are ouro-1.4b-shape's merged decode projections: q/k/v, o, gate/up, down. It
+answers whether a hand-written GEMV would close the batch-1 decode gap (it does not).
+
+Usage: python benchmarks/gemv_gpu.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N out, K in)
+CONFIGS = [(bn, bk, w) for bn in (8, 16, 32) for bk in (256, 512) for w in (4, 8)]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bn: int, bk: int, warps: int) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, BM=triton.next_power_of_2(m), BN=bn, BK=bk,
+                                        num_warps=warps)
+
+
+def graph_time(fn, calls: int = 50, replays: int = 5) -> float:
+    """Seconds per call, from CUDA-graph replays of `calls` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / (replays * calls)
+
+
+def main() -> None:
+    for n, k in SHAPES:
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        ref = F.linear(x, w)
+        t_cublas = graph_time(lambda: F.linear(x, w))
+        y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+        best = (float("inf"), None)
+        for cfg in CONFIGS:
+            gemv(x, w, y, *cfg)
+            if (y.float() - ref.float()).abs().max().item() > 0.05:
+                raise AssertionError(f"Triton GEMV {cfg} disagrees with F.linear for {n}x{k}")
+            best = min(best, (graph_time(lambda: gemv(x, w, y, *cfg)), cfg))
+        mb = n * k * 2 / 1e6
+        print(f"[gemv] {n}x{k} ({mb:.0f} MB): cuBLAS {t_cublas * 1e6:.2f} us ({mb / t_cublas / 1e6:.2f} TB/s), "
+              f"Triton {best[0] * 1e6:.2f} us ({mb / best[0] / 1e6:.2f} TB/s, BN/BK/warps {best[1]}) "
+              f"-> Triton/cuBLAS time {best[0] / t_cublas:.2f}x", flush=True)
+    print("command: python " + " ".join(sys.argv))
+
+
+if __name__ == "__main__":
+    main()
