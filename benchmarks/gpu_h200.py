@@ -148,12 +148,16 @@ def part_refill(model, name: str) -> dict:
     return res
 
 
-def _nixl_owner(conn, shape, block_size):
+def _nixl_owner(conn, shape, block_size, share: bool = False):
+    import torch.multiprocessing  # noqa: F401 - registers the CUDA-IPC pickling of tensors
+
     from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 
     pool = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
     w = NixlKVWorker("gpu-prefill", {"looped": pool}, block_size, {"m": 1})
     conn.send(w.handshake_info())
+    if share:  # the same pool through a plain CUDA-IPC mapping, for the diagnostic copy
+        conn.send(pool)
     conn.recv()
     w.close()
 
@@ -179,9 +183,12 @@ def part_nixl(base: dict) -> dict:
     nblk, shape = 2048, (2048, 24, 2, 16, 16, 128)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    p = ctx.Process(target=_nixl_owner, args=(b, shape, 16))
+    p = ctx.Process(target=_nixl_owner, args=(b, shape, 16, True))
     p.start()
+    import torch.multiprocessing  # noqa: F401 - unpickles the owner's pool as a CUDA-IPC mapping
+
     info = a.recv()
+    remote = a.recv()
     local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
     w = NixlKVWorker("gpu-decode", {"looped": local}, 16, {"m": 1}, capture_telemetry=True)
     w.add_peer(info)
@@ -203,16 +210,19 @@ def part_nixl(base: dict) -> dict:
         src = torch.empty_like(local[:count])
         tc = cuda_time(lambda: src.copy_(local[:count]))
         tw = _wall_copy_s(src, local[:count])
+        t_ipc = _wall_copy_s(src, remote[:count])  # torch's copy of the peer's blocks, same mapping kind
         del src
         torch.cuda.empty_cache()
         r = res[count] = {"nixl_GBps": nbytes / best / 1e9, "copy_GBps": nbytes / tw / 1e9,
-                          "copy_stream_GBps": nbytes / tc / 1e9}
+                          "copy_stream_GBps": nbytes / tc / 1e9, "ipc_copy_GBps": nbytes / t_ipc / 1e9}
         r["ratio"], r["ratio_stream"] = r["nixl_GBps"] / r["copy_GBps"], r["nixl_GBps"] / r["copy_stream_GBps"]
         descs = w.read_stats[f"r{count}-4"].descriptors
         print(f"[nixl] {count:4d} blocks ({nbytes / 2**20:.0f} MiB): NIXL READ {r['nixl_GBps']:.1f} GB/s vs one "
               f"D2D copy {r['copy_GBps']:.1f} GB/s (wall, post to done) -> {r['ratio']:.2f}x; vs back-to-back "
               f"copies {r['copy_stream_GBps']:.1f} GB/s (CUDA events) -> {r['ratio_stream']:.2f}x "
-              f"({descs} descriptors)", flush=True)
+              f"({descs} descriptors); torch copy from the peer's pool through CUDA IPC "
+              f"{r['ipc_copy_GBps']:.1f} GB/s", flush=True)
+    del remote
     a.send("stop")
     p.join(timeout=30)
     w.close()

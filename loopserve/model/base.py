@@ -10,7 +10,7 @@ from torch import nn
 from loopserve.model.attention import get_backend
 from loopserve.model.attention.torch_ref import attend
 from loopserve.model.batch import LoopState, ModelBatch
-from loopserve.model.layers import Attend
+from loopserve.model.layers import Attend, rotating
 from loopserve.model.paged_kv import KVSpec, PagedKVCache
 
 
@@ -50,7 +50,7 @@ class LoopedModel(nn.Module):
         if self._backend is None:
             self._backend = get_backend(kv.looped.device)
         cache = kv.layer_view(kind, layer)
-        return lambda q, k, v: self._backend.forward(q, k, v, cache, batch.attn, scale, window)
+        return lambda q, k, v, rot=None: self._backend.forward(q, k, v, cache, batch.attn, scale, window, rot)
 
     # Operations (implemented by each family)
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
@@ -65,4 +65,4 @@ class LoopedModel(nn.Module):
 
 def dense_attend(positions: torch.Tensor, scale: float, window: int | None = None) -> Attend:
     """Plain causal attention over a whole sequence (the dense reference's path)."""
-    return lambda q, k, v: attend(q, k, v, positions, positions, scale, window)
+    return rotating(lambda q, k, v: attend(q, k, v, positions, positions, scale, window))

@@ -14,6 +14,7 @@ from loopserve.model.attention.torch_ref import attend
 from loopserve.model.dory import DoryModel, l2norm
 from loopserve.model.exit_rule import exit_mask
 from loopserve.model.huginn import HuginnModel
+from loopserve.model.layers import rotating
 from loopserve.model.ouro import OuroModel
 
 
@@ -33,7 +34,7 @@ class _FrozenKV:
             self.k[layer], self.v[layer] = k, v
             return attend(q, k, v, positions, positions, scale)
 
-        return fn
+        return rotating(fn)
 
 
 def _loop(model: LoopedModel, n: int, step, min_loops: int, max_loops: int, threshold: float):
@@ -147,7 +148,7 @@ def dense_forward(model: LoopedModel, token_ids: list[int], min_loops: int, max_
         def step(d, active, frozen):
             nonlocal h, remaining
             g = model.run_layers(h, rot, lambda j, layer: frozen.attend_fn(j, active, pos, layer.self_attn.scale))
-            g, rem, scores = model.end_of_loop(g, remaining)
+            rem, scores = model.end_of_loop(g, remaining)
 
             def commit(mask):
                 nonlocal h, remaining

@@ -56,7 +56,7 @@ class HuginnAttention(nn.Module):
         q, k, v = q.view(t, self.h, self.hd), k.view(t, self.hkv, self.hd), v.view(t, self.hkv, self.hd)
         if hasattr(self, "qk_bias"):
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        return self.proj(attend(rot(q), rot(k), v).reshape(t, -1))
+        return self.proj(attend(q, k, v, rot).reshape(t, -1))
 
 
 class GatedMLP(nn.Module):

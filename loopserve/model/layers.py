@@ -1,19 +1,34 @@
 """Decoder building blocks (gpt-fast style plain PyTorch).
 
-Attention layers take an `attend(q, k, v) -> o` callable, so the paged engine path and the
-dense reference share the layer math but not the KV handling.
+Attention layers take an `attend(q, k, v, rot) -> o` callable, so the paged engine path and
+the dense reference share the layer math but not the KV handling; `rot` is applied to q and k
+inside it, where a paged backend can fuse it into the K/V write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Attend(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rot: Rotation | None = None) -> torch.Tensor:
+        """Attention of q over k, v after rotating q and k by `rot` (None: already rotated)."""
+        ...
+
+
+def rotating(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Attend:
+    """An `Attend` from attention over already-rotated q and k (the dense reference's)."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rot: Rotation | None = None) -> torch.Tensor:
+        return attend(q, k, v) if rot is None else attend(rot(q), rot(k), v)
+    return fn
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,6 +59,12 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _exit_gate_update(logit: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ouro's exit gate: Π(1-σ) after this loop, and the score 1 - Π(1-σ), in fp32."""
+    remaining = remaining * (1.0 - torch.sigmoid(logit.float()))
+    return remaining, 1.0 - remaining
+
+
 class _Kernels:
     """The elementwise pieces of every layer: eager by default; `fuse()` swaps in
     torch.compile'd versions (one kernel each instead of 5-15 tiny ones, which dominate a
@@ -53,6 +74,7 @@ class _Kernels:
     add_rms_norm = staticmethod(_add_rms_norm)
     rope = staticmethod(_rope)
     swiglu = staticmethod(_swiglu)
+    exit_gate_update = staticmethod(_exit_gate_update)
     fused = False
 
 
@@ -67,7 +89,7 @@ def fuse_elementwise() -> None:
     if _Kernels.fused:
         return
     for name, fn in (("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rope", _rope),
-                     ("swiglu", _swiglu)):
+                     ("swiglu", _swiglu), ("exit_gate_update", _exit_gate_update)):
         setattr(_Kernels, name, staticmethod(compiled(fn)))
     _Kernels.fused = True
 
@@ -163,3 +185,7 @@ class MergedLinear:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _Kernels.swiglu(gate, up)
+
+
+def exit_gate_update(logit: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _Kernels.exit_gate_update(logit, remaining)

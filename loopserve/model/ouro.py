@@ -14,7 +14,8 @@ from torch import nn
 from loopserve.model.base import LoopedModel, LoopParams
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.config import OuroConfig
-from loopserve.model.layers import Attend, MergedLinear, RMSNorm, Rope, Rotation, add_rms_norm, swiglu
+from loopserve.model.layers import (Attend, MergedLinear, RMSNorm, Rope, Rotation, add_rms_norm,
+                                    exit_gate_update, swiglu)
 from loopserve.model.paged_kv import KVSpec, PagedKVCache
 
 
@@ -32,9 +33,8 @@ class OuroAttention(nn.Module):
     def forward(self, x: torch.Tensor, rot: Rotation, attend: Attend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x)
-        q = rot(q.view(t, self.h, self.hd))
-        k = rot(k.view(t, self.hkv, self.hd))
-        return self.o_proj(attend(q, k, v.view(t, self.hkv, self.hd)).reshape(t, -1))
+        o = attend(q.view(t, self.h, self.hd), k.view(t, self.hkv, self.hd), v.view(t, self.hkv, self.hd), rot)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class OuroMLP(nn.Module):
@@ -93,20 +93,18 @@ class OuroModel(LoopedModel):
         thr = cfg.early_exit_threshold if cfg.exit_threshold is None else cfg.exit_threshold
         self.default_loop_params = LoopParams(cfg.min_loops, cfg.loop_max, thr)
 
-    def end_of_loop(self, h: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Shared norm and exit gate: (normed hidden, new Π(1-σ), score = 1 - Π(1-σ))."""
-        h = self.model.norm(h)
-        lam = torch.sigmoid(self.model.early_exit_gate(h).squeeze(-1).float())
-        remaining = remaining * (1.0 - lam)
-        return h, remaining, 1.0 - remaining
+    def end_of_loop(self, h: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exit gate on the normed hidden: (new Π(1-σ), score = 1 - Π(1-σ))."""
+        return exit_gate_update(self.model.early_exit_gate(h).squeeze(-1), remaining)
 
     def run_layers(self, h: torch.Tensor, rot: Rotation, attend_of: Callable[[int, OuroDecoderLayer], Attend]) -> torch.Tensor:
-        """One loop over the layer stack (paged path and dense reference)."""
+        """One loop over the layer stack, then the shared norm (paged path and dense
+        reference); each layer's last kernel also computes the next norm."""
         layers, normed = self.model.layers, None
         for j, layer in enumerate(layers):
-            nxt = layers[j + 1].input_layernorm if j + 1 < len(layers) else None
+            nxt = layers[j + 1].input_layernorm if j + 1 < len(layers) else self.model.norm
             h, normed = layer(h, rot, attend_of(j, layer), normed, nxt)
-        return h
+        return normed
 
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:
         h = self.model.embed_tokens(batch.token_ids)
@@ -115,7 +113,7 @@ class OuroModel(LoopedModel):
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
         h = self.run_layers(state.hidden, self.rope(batch.positions),
                             lambda j, layer: self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
-        h, remaining, score = self.end_of_loop(h, state.aux)
+        remaining, score = self.end_of_loop(h, state.aux)
         return LoopState(h, remaining), score
 
     def coda(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> torch.Tensor:

@@ -71,3 +71,13 @@ def test_sliding_window():
                      block_size=16, dtype=BF16, device="cuda", seed=9)
     assert_matches(case, TritonAttention(), window=256)
     assert_matches(case, TritonAttention(kv_splits=4), window=256)
+
+
+@pytest.mark.parametrize("rope", ["half", "interleaved"])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(16, 16, 128), (40, 5, 96)])
+def test_rope_fused_into_the_kv_write(rope, hq, hkv, head_dim):
+    segs = [list(range(300)), [255], [2047], list(range(0, 700, 3))]
+    case = make_case(segs, hq=hq, hkv=hkv, head_dim=head_dim, block_size=16, dtype=BF16, device="cuda",
+                     seed=11, strided_q=True, rope=rope)
+    assert_matches(case, TritonAttention())
+    assert_matches(case, TritonAttention(dense_prefill_rows=None))

@@ -19,7 +19,7 @@ def test_compiled_rms_norm_matches_eager_and_survives_the_recompile_limit():
     torch._dynamo.reset()
 
 
-def test_compiled_add_rms_norm_and_rope_match_eager():
+def test_compiled_add_rms_norm_rope_and_exit_gate_match_eager():
     torch._dynamo.reset()
     x, d = torch.randn(7, 32), torch.randn(7, 32)
     wd, wo = torch.rand(32) + 0.5, torch.rand(32) + 0.5
@@ -36,6 +36,10 @@ def test_compiled_add_rms_norm_and_rope_match_eager():
         rot = layers.Rope(16, 10000.0, interleaved)(torch.tensor([0, 3, 5, 100, 7, 8, 9]))
         q = torch.randn(7, 4, 16)
         torch.testing.assert_close(layers.compiled(layers._rope)(q, rot.cos, rot.sin, interleaved), rot(q))
+    logit, rem = torch.randn(6).bfloat16(), torch.rand(6)
+    got = layers.compiled(layers._exit_gate_update)(logit, rem)
+    want = rem * (1 - torch.sigmoid(logit.float()))
+    torch.testing.assert_close(got, (want, 1 - want))
     torch._dynamo.reset()
 
 

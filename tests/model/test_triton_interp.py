@@ -19,6 +19,7 @@ if torch.cuda.is_available():
 from loopserve.model.attention import triton_backend  # noqa: E402
 from loopserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from loopserve.model.batch import build_attn_metadata  # noqa: E402
+from loopserve.model.layers import Rope  # noqa: E402
 from tests.gpu.attn_cases import assert_matches, make_case, random_segments  # noqa: E402
 
 if not triton_backend._INTERPRET:
@@ -87,6 +88,18 @@ def test_fresh_prompt_segments_take_sdpa_the_rest_the_paged_kernel(dtype):
     assert_matches(only_fresh, TritonAttention(dense_prefill_rows=4))
 
 
+@pytest.mark.parametrize("rope", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_fused_into_the_kv_write(rope, dtype):
+    """q, k unrotated (strided slices of one projection): the fused RoPE + slot write, then
+    attention, equals rotate-then-write-then-attend; fresh prompts (SDPA) need the rotated k."""
+    segs = [list(range(9)), [0, 1, 3, 4, 5, 6], [17], list(range(12)), [30]]
+    case = make_case(segs, hq=8, hkv=2, head_dim=16, block_size=4, dtype=dtype, device="cpu",
+                     strided_q=True, rope=rope)
+    assert_matches(case, TritonAttention(dense_prefill_rows=4))
+    assert_matches(case, TritonAttention(dense_prefill_rows=None))
+
+
 def test_rejects_bad_input():
     case = make_case([[3], [9]], hq=4, hkv=2, head_dim=16, block_size=4, dtype=torch.float32,
                      device="cpu")
@@ -105,6 +118,9 @@ def test_rejects_bad_input():
         attn.forward(case.q[:1], case.k[:1], case.v[:1], cache3, meta3, case.scale)
     with pytest.raises(ValueError, match="kv_splits=0 must be in"):
         TritonAttention(kv_splits=0)
+    rot = Rope(16, 10000.0, False)(torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"rot.cos must be fp32 \(2, 1, 8\)"):
+        attn.forward(case.q, case.k, case.v, cache, case.meta, case.scale, rot=rot)
 
 
 @pytest.mark.parametrize("write", ["triton", "torch"])

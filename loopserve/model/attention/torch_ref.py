@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from loopserve.model.attention.base import write_kv
 from loopserve.model.batch import AttnMetadata
+from loopserve.model.layers import Rotation
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -33,7 +34,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttnMetadata, scale: float, window: int | None = None,
+                rot: Rotation | None = None) -> torch.Tensor:
+        if rot is not None:
+            q, k = rot(q), rot(k)
         write_kv(cache, meta, k, v)
         if len(meta.seg_bounds) == q.shape[0]:
             return self._decode(q, cache, meta, scale, window)

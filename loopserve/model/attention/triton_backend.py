@@ -21,9 +21,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from loopserve.model.attention.triton_kv_write import triton_write_kv
+from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
 from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
 from loopserve.model.batch import AttnMetadata, fresh_segments, subset
+from loopserve.model.layers import Rotation
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _MAX_BLOCK_SIZE = 128
@@ -82,14 +83,19 @@ class TritonAttention:
         self.dense_prefill_rows = dense_prefill_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        _check_inputs(q, k, v, cache, meta, window)
-        triton_write_kv(cache, meta, k, v)
+                meta: AttnMetadata, scale: float, window: int | None = None,
+                rot: Rotation | None = None) -> torch.Tensor:
+        _check_inputs(q, k, v, cache, meta, window, rot)
+        fresh = [] if window is not None or self.dense_prefill_rows is None else \
+            fresh_segments(meta, self.dense_prefill_rows)
+        if rot is None:
+            triton_write_kv(cache, meta, k, v)
+        else:  # RoPE fused into the slot write; SDPA's fresh rows need the rotated k too
+            q, k_rot = triton_rope_write_kv(cache, meta, q, k, v, rot, keep_k=bool(fresh))
+            k = k if k_rot is None else k_rot
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
-        fresh = [] if window is not None or self.dense_prefill_rows is None else \
-            fresh_segments(meta, self.dense_prefill_rows)
         if not fresh:
             return self._attend(q, cache, meta, scale, window, out)
         k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)  # what the plane holds
@@ -143,7 +149,7 @@ class TritonAttention:
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                  meta: AttnMetadata, window: int | None) -> None:
+                  meta: AttnMetadata, window: int | None, rot: Rotation | None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     num_rows, hq, head_d = q.shape
@@ -176,3 +182,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torc
         raise ValueError(f"meta.block_tables dtype {meta.block_tables.dtype} must be torch.int32")
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be >= 1 (or None)")
+    if rot is not None:
+        want = (num_rows, 1, head_d // 2)
+        for name, t in (("rot.cos", rot.cos), ("rot.sin", rot.sin)):
+            if head_d % 2 or tuple(t.shape) != want or t.dtype != torch.float32 or t.stride(-1) != 1 \
+                    or t.stride(0) != rot.cos.stride(0) or t.device != cache.device:
+                raise ValueError(f"{name} must be fp32 {want} on {cache.device} with unit stride in its last "
+                                 f"dim (even head_dim), got {tuple(t.shape)} {t.dtype} on {t.device}")
