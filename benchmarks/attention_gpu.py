@@ -7,7 +7,10 @@ it has no paging cost: a lower bound, not a competitor. The HBM floor is the
 K/V bytes over a device copy's bandwidth measured in the same run. Times are medians of CUDA
 graph replays (kernel time) and, for the reference, of eager calls (it is a Python loop).
 
-    python benchmarks/attention_gpu.py [--batches 1,8,64,256] [--contexts 1024,4096]
+    python benchmarks/attention_gpu.py [--batches 1,8,64,256] [--contexts 1024,4096] [--kv-splits 1,2,4,8]
+
+`--kv-splits` adds, per case, the Triton forward with each forced split-KV count (the launch
+heuristic's choice is the `triton` column).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main() -> None:
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-splits", default="", help="forced split counts to time as well")
     ap.add_argument("--skip-ref-above", type=int, default=1 << 20,
                     help="skip the torch reference when batch*ctx exceeds this")
     args = ap.parse_args()
@@ -100,6 +104,10 @@ def main() -> None:
             floor = 2 * kd.numel() * kd.element_size() / bw * 1e6
             print(f"{batch:>5} {ctx:>5} {t_tri:>8.1f} {t_attn:>8.1f} {t_ref:>9.1f} {t_sdpa:>8.1f} "
                   f"{floor:>7.1f} {t_tri / t_sdpa:>6.2f} {t_ref / t_tri:>6.1f}")
+            if args.kv_splits:
+                forced = {n: graph_ms(lambda: TritonAttention(kv_splits=n).forward(q, k, v, cache, meta, scale)) * 1e3
+                          for n in map(int, args.kv_splits.split(","))}
+                print("      forced splits: " + "  ".join(f"{n}: {t:.1f}" for n, t in forced.items()))
             del meta, cache, q, k, v, kd, vd
             torch.cuda.empty_cache()
     print("slot write (k, v of T rows), us:  T  triton  torch-index_put")

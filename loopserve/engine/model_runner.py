@@ -12,7 +12,7 @@ from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
-from loopserve.model.batch import LoopState, ModelBatch, build_attn_metadata, device_tensor
+from loopserve.model.batch import HostBatch, LoopState, device_tensor, host_batch
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import BatchItem, Operation, ScheduledBatch
@@ -36,18 +36,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(max_batch, max_blocks_per_seq, self.layout.block_size,
                                    self.model.state_dim, self.states.dtype, self.device, capture)
 
-    def _forward(self, mb: ModelBatch, state: LoopState | None):
+    def _forward(self, hb: HostBatch, state: LoopState | None):
         """The batch's Operation on the model, replayed from a graph where one applies."""
-        op = mb.operation
+        op = hb.operation
         if op is Operation.PRELUDE:
             fn = lambda b, _s: self.model.prelude(b, self.kv)  # noqa: E731
         elif op is Operation.RECURRENT:
             fn = lambda b, s: self.model.recurrent(b, s, self.kv)  # noqa: E731
         else:
             fn = lambda b, s: self.model.coda(b, s, self.kv)  # noqa: E731
-        if self.graphs is not None and self.graphs.applies(mb):
-            return self.graphs.run(mb, state, fn)
-        return fn(mb, state)
+        if self.graphs is not None and self.graphs.applies(hb):
+            return self.graphs.run(hb, state, fn)
+        return fn(hb.to(self.device), state)
 
     # ------------------------------------------------------------------ KV housekeeping
     def apply_kv_moves(self, swap_out: tuple, new_blocks: tuple[list[int], list[int]],
@@ -77,7 +77,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch building
     def _batch(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
-               with_tokens: bool = False) -> ModelBatch:
+               with_tokens: bool = False) -> HostBatch:
         op = batch.operation
         rows_seg, rows_pos, seg_blocks, depths = [], [], [], []
         for s, item in enumerate(batch.items):
@@ -87,30 +87,18 @@ class ModelRunner:
             rows_seg += [s] * len(item.positions)
             rows_pos += item.positions
             depths += [item.depth] * len(item.positions)
-        attn = build_attn_metadata(rows_seg, rows_pos, seg_blocks, self.layout.block_size, self.device)
-        dev = self.device
         token_ids = seeds = logits_indices = None
         if with_tokens:
-            token_ids = device_tensor([reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions],
-                                      torch.int64, dev)
-            seeds = device_tensor([reqs[i.request_id].seed for i in batch.items for _ in i.positions],
-                                  torch.int64, dev)
+            token_ids = [reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions]
+            seeds = [reqs[i.request_id].seed for i in batch.items for _ in i.positions]
         if op is Operation.CODA:
-            idx, row = [], 0
+            logits_indices, row = [], 0
             for item in batch.items:
                 want = set(item.logits_positions)
-                idx += [row + j for j, p in enumerate(item.positions) if p in want]
+                logits_indices += [row + j for j, p in enumerate(item.positions) if p in want]
                 row += len(item.positions)
-            logits_indices = device_tensor(idx, torch.int64, dev)
-        return ModelBatch(
-            operation=op,
-            positions=attn.positions,
-            depths=device_tensor(depths, torch.int64, dev),
-            token_ids=token_ids,
-            seeds=seeds,
-            logits_indices=logits_indices,
-            attn=attn,
-        )
+        return host_batch(op, rows_seg, rows_pos, seg_blocks, self.layout.block_size, depths,
+                          token_ids=token_ids, seeds=seeds, logits_indices=logits_indices)
 
     def _state_rows(self, batch: ScheduledBatch, assign: bool = False) -> torch.Tensor:
         return self.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign)
@@ -118,19 +106,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ operations
     @torch.inference_mode()
     def prelude(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable]) -> None:
-        mb = self._batch(batch, reqs, tables, with_tokens=True)
-        state = self._forward(mb, None)
+        state = self._forward(self._batch(batch, reqs, tables, with_tokens=True), None)
         self.states.put(self._state_rows(batch, assign=True), state.hidden, state.aux)
 
     @torch.inference_mode()
     def recurrent(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                   draft_loops: int) -> dict[str, tuple[int, ...]]:
         """One loop for every row; returns, per request, the positions that made their final exit."""
-        mb = self._batch(batch, reqs, tables)
+        hb = self._batch(batch, reqs, tables)
         rows = self._state_rows(batch)
-        state, score = self._forward(mb, LoopState(*self.states.get(rows)))
+        state, score = self._forward(hb, LoopState(*self.states.get(rows)))
         self.states.put(rows, state.hidden, state.aux)
-        exits = self._exits(batch, reqs, mb, score)
+        exits = self._exits(batch, reqs, hb, score)
         exited: dict[str, tuple[int, ...]] = {}
         src, dst, row = [], [], 0
         bs = self.layout.block_size
@@ -151,7 +138,7 @@ class ModelRunner:
             self.kv.copy_slots_looped(device_tensor(src, torch.int64, dev), device_tensor(dst, torch.int64, dev))
         return exited
 
-    def _exits(self, batch: ScheduledBatch, reqs: dict[str, Request], mb: ModelBatch,
+    def _exits(self, batch: ScheduledBatch, reqs: dict[str, Request], hb: HostBatch,
                score: torch.Tensor) -> list[bool]:
         """Per row: exits after this loop. Read from the device only when a score can change
         a decision (adaptive exit in [min, max) loops): otherwise the host knows, and the next
@@ -167,15 +154,14 @@ class ModelRunner:
             return device_tensor([getattr(p, field) for p, n in zip(params, counts) for _ in range(n)],
                                  dtype, self.device)
 
-        return exit_mask(mb.depths, score, per_row("min_loops", torch.int64), per_row("max_loops", torch.int64),
-                         per_row("exit_threshold", torch.float32)).tolist()
+        return exit_mask(device_tensor(hb.depths, torch.int64, self.device), score, per_row("min_loops", torch.int64),
+                         per_row("max_loops", torch.int64), per_row("exit_threshold", torch.float32)).tolist()
 
     @torch.inference_mode()
     def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],
              tables: dict[str, BlockTable]) -> dict[str, torch.Tensor | None]:
         """Coda for every row (writes coda KV); logits of each item's logits_positions."""
-        mb = self._batch(batch, reqs, tables)
-        logits = self._forward(mb, LoopState(*self.states.get(self._state_rows(batch))))
+        logits = self._forward(self._batch(batch, reqs, tables), LoopState(*self.states.get(self._state_rows(batch))))
         out: dict[str, torch.Tensor | None] = {}
         row = 0
         for item in batch.items:

@@ -59,12 +59,100 @@ class LoopState:
     aux: torch.Tensor  # [T] fp32
 
 
-def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: list[list[int]],
-                        block_size: int, device: torch.device) -> AttnMetadata:
+@dataclass
+class HostBatch:
+    """A ModelBatch's integer fields as host lists, before their one copy to the device.
+
+    Building on the host and moving everything in one pinned transfer (not one per field)
+    saves a host-to-device launch and a pinned staging per field on every Operation; the
+    CUDA-graph path pads it and copies it straight into its static buffers.
+    """
+
+    operation: Operation
+    seg_starts: list[int]  # [S+1]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    depths: list[int]  # [T]
+    context_lens: list[int]  # [S]
+    block_tables: list[int]  # [S * width], row-major, padded with 0
+    width: int
+    block_size: int
+    seg_num_blocks: list[int]
+    token_ids: list[int] | None = None
+    seeds: list[int] | None = None
+    logits_indices: list[int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def num_segs(self) -> int:
+        return len(self.context_lens)
+
+    def padded(self, rows: int, width: int) -> HostBatch:
+        """A decode-shaped batch (one row per segment) padded to `rows` rows and a table
+        `width`, every optional field present: the CUDA-graph buffers' fixed layout. Padding
+        rows are harmless: position 0, slot -1 (no K/V write), a table of block 0 (read only),
+        the first row's depth, and their outputs are dropped."""
+        t, pad = self.num_rows, rows - self.num_rows
+        table = []
+        for s in range(t):
+            table += self.block_tables[s * self.width:(s + 1) * self.width] + [0] * (width - self.width)
+        return HostBatch(
+            self.operation, list(range(rows + 1)), self.positions + [0] * pad, self.slot_mapping + [-1] * pad,
+            self.depths + self.depths[:1] * pad, self.context_lens + [1] * pad, table + [0] * (pad * width),
+            width, self.block_size, self.seg_num_blocks + [1] * pad,
+            (self.token_ids or [0] * t) + [0] * pad, (self.seeds or [0] * t) + [0] * pad, list(range(rows)))
+
+    def pack(self) -> tuple[torch.Tensor, list[tuple[str, int, torch.dtype]]]:
+        """(bytes on the host, [(field, length, dtype)]): int64 fields first, then int32, so
+        every field's view of the bytes is aligned."""
+        names64 = ["seg_starts", "positions", "slot_mapping", "depths"] + [
+            n for n in ("token_ids", "seeds", "logits_indices") if getattr(self, n) is not None]
+        v64 = [x for n in names64 for x in getattr(self, n)]
+        v32 = self.context_lens + self.block_tables
+        host = torch.cat([torch.tensor(v64, dtype=torch.int64).view(torch.uint8),
+                          torch.tensor(v32, dtype=torch.int32).view(torch.uint8)])
+        fields = [(n, len(getattr(self, n)), torch.int64) for n in names64]
+        fields += [("context_lens", self.num_segs, torch.int32), ("block_tables", len(self.block_tables), torch.int32)]
+        return host, fields
+
+    def to(self, device: torch.device, out: torch.Tensor | None = None,
+           max_context_len: int | None = None) -> ModelBatch:
+        """The ModelBatch on `device` from one copy (into `out` if given: a buffer of exactly
+        the packed size). `max_context_len` overrides the launch bound (graph buckets)."""
+        host, fields = self.pack()
+        if out is None:
+            dev = _to_device(host, device)
+        else:
+            out.copy_(host.pin_memory() if out.device.type == "cuda" else host, non_blocking=True)
+            dev = out
+        views, off = {}, 0
+        for name, n, dtype in fields:
+            size = n * dtype.itemsize
+            views[name] = dev[off:off + size].view(dtype)
+            off += size
+        starts = self.seg_starts
+        attn = AttnMetadata(
+            seg_starts=views["seg_starts"], block_tables=views["block_tables"].view(self.num_segs, self.width),
+            context_lens=views["context_lens"], slot_mapping=views["slot_mapping"], positions=views["positions"],
+            block_size=self.block_size,
+            max_context_len=max(self.context_lens, default=0) if max_context_len is None else max_context_len,
+            seg_bounds=list(zip(starts[:-1], starts[1:])), seg_num_blocks=self.seg_num_blocks,
+            seg_context_lens=self.context_lens)
+        return ModelBatch(self.operation, attn.positions, views["depths"], attn,
+                          token_ids=views.get("token_ids"), seeds=views.get("seeds"),
+                          logits_indices=views.get("logits_indices"))
+
+
+def host_batch(operation: Operation, rows_seg: list[int], rows_pos: list[int], seg_blocks: list[list[int]],
+               block_size: int, depths: list[int] | None = None, **fields) -> HostBatch:
     """Attention metadata from per-row (segment, position) and each segment's block ids.
 
     Rows of one segment must be consecutive in the batch. An empty block list means the
     plane does not exist for this Operation (e.g. Ouro's embedding-only PRELUDE): no slots.
+    `fields`: token_ids, seeds, logits_indices.
     """
     num_segs = len(seg_blocks)
     starts = [0] * (num_segs + 1)
@@ -79,24 +167,19 @@ def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: li
         if have and need > len(have):
             raise ValueError(f"segment {s}: context {ctx[s]} needs {need} blocks, table has {len(have)}")
     width = max(nblk, default=0) or 1
-    table = torch.zeros(num_segs, width, dtype=torch.int32)
+    table = []
     for s, blocks in enumerate(seg_blocks):
-        if nblk[s]:
-            table[s, : nblk[s]] = torch.tensor(blocks[: nblk[s]], dtype=torch.int32)
+        table += list(blocks[:nblk[s]]) + [0] * (width - nblk[s])
     slots = [seg_blocks[s][p // block_size] * block_size + p % block_size if seg_blocks[s] else -1
              for s, p in zip(rows_seg, rows_pos)]
-    return AttnMetadata(
-        seg_starts=device_tensor(starts, torch.int64, device),
-        block_tables=_to_device(table, device),
-        context_lens=device_tensor(ctx, torch.int32, device),
-        slot_mapping=device_tensor(slots, torch.int64, device),
-        positions=device_tensor(rows_pos, torch.int64, device),
-        block_size=block_size,
-        max_context_len=max(ctx, default=0),
-        seg_bounds=list(zip(starts[:-1], starts[1:])),
-        seg_num_blocks=nblk,
-        seg_context_lens=ctx,
-    )
+    return HostBatch(operation, starts, list(rows_pos), slots, depths if depths is not None else [0] * len(rows_pos),
+                     ctx, table, width, block_size, nblk, **fields)
+
+
+def build_attn_metadata(rows_seg: list[int], rows_pos: list[int], seg_blocks: list[list[int]],
+                        block_size: int, device: torch.device) -> AttnMetadata:
+    """`host_batch`'s attention metadata on `device` (kernel tests and benchmarks)."""
+    return host_batch(Operation.RECURRENT, rows_seg, rows_pos, seg_blocks, block_size).to(device).attn
 
 
 def fresh_segments(meta: AttnMetadata, min_rows: int) -> list[int]:
