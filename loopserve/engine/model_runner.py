@@ -89,7 +89,7 @@ class ModelRunner:
             depths += [item.depth] * len(item.positions)
         token_ids = seeds = logits_indices = None
         if with_tokens:
-            token_ids = [reqs[i.request_id].token_at(p) for i in batch.items for p in i.positions]
+            token_ids = [t for i in batch.items for t in reqs[i.request_id].tokens_at(i.positions)]
             seeds = [reqs[i.request_id].seed for i in batch.items for _ in i.positions]
         if op is Operation.CODA:
             logits_indices, row = [], 0

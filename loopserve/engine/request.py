@@ -51,6 +51,13 @@ class Request:
             return self.output_token_ids[i]
         return self.draft_token_ids[i - len(self.output_token_ids)]
 
+    def tokens_at(self, positions: list[int]) -> list[int]:
+        """token_at of each position; a contiguous run inside the prompt (a prefill chunk) is
+        one slice, not a call per token."""
+        if positions and positions[-1] < self.prompt_len and positions == list(range(positions[0], positions[-1] + 1)):
+            return list(self.prompt_token_ids[positions[0]:positions[-1] + 1])
+        return [self.token_at(p) for p in positions]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -1,0 +1,44 @@
+"""The host-side batch (one packed copy per Operation) and the runner's token lookup."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from loopserve.engine.request import Request
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.model.batch import host_batch
+from loopserve.scheduler import Operation
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=20), outs=st.lists(st.integers(0, 99), max_size=5),
+       drafts=st.lists(st.integers(0, 99), max_size=3), data=st.data())
+def test_tokens_at_equals_token_at_per_position(prompt, outs, drafts, data):
+    req = Request("r", prompt, SamplingParams(), 0, None, output_token_ids=list(outs), draft_token_ids=list(drafts))
+    n = len(prompt) + len(outs) + len(drafts)
+    positions = data.draw(st.one_of(
+        st.builds(lambda a, b: list(range(min(a, b), max(a, b))), st.integers(0, n), st.integers(0, n)),
+        st.lists(st.integers(0, n - 1), max_size=8)))
+    assert req.tokens_at(positions) == [req.token_at(p) for p in positions]
+
+
+def test_packed_batch_fields_and_graph_padding():
+    hb = host_batch(Operation.PRELUDE, [0, 0, 1], [3, 4, 17], [[5], [2, 9]], 16, depths=[0, 0, 0],
+                    token_ids=[7, 8, 9], seeds=[1, 1, 2])
+    mb = hb.to(torch.device("cpu"))
+    assert mb.positions.tolist() == [3, 4, 17] and mb.positions.dtype == torch.int64
+    assert mb.attn.slot_mapping.tolist() == [5 * 16 + 3, 5 * 16 + 4, 9 * 16 + 1]
+    assert mb.attn.block_tables.dtype == torch.int32 and mb.attn.block_tables.tolist() == [[5, 0], [2, 9]]
+    assert mb.attn.context_lens.tolist() == [5, 18] and mb.attn.seg_starts.tolist() == [0, 2, 3]
+    assert mb.token_ids.tolist() == [7, 8, 9] and mb.seeds.tolist() == [1, 1, 2] and mb.logits_indices is None
+    assert mb.attn.seg_bounds == [(0, 2), (2, 3)] and mb.attn.max_context_len == 18
+
+    dec = host_batch(Operation.RECURRENT, [0, 1], [3, 17], [[5], [2, 9]], 16, depths=[2, 3])
+    pad = dec.padded(4, 3)  # the CUDA-graph layout: every field, padding rows inert
+    buf = torch.full((pad.pack()[0].numel(),), 255, dtype=torch.uint8)
+    sm = pad.to(torch.device("cpu"), out=buf, max_context_len=128)
+    assert sm.attn.slot_mapping.tolist() == [83, 145, -1, -1]
+    assert sm.attn.block_tables.tolist() == [[5, 0, 0], [2, 9, 0], [0, 0, 0], [0, 0, 0]]
+    assert sm.depths.tolist() == [2, 3, 2, 2] and sm.positions.tolist() == [3, 17, 0, 0]
+    assert sm.attn.context_lens.tolist() == [4, 18, 1, 1] and sm.attn.seg_starts.tolist() == [0, 1, 2, 3, 4]
+    assert sm.logits_indices.tolist() == [0, 1, 2, 3] and sm.token_ids.tolist() == [0] * 4
+    assert sm.attn.max_context_len == 128 and sm.attn.positions.data_ptr() == buf.data_ptr() + 5 * 8
