@@ -78,27 +78,27 @@ class ModelRunner:
     # ------------------------------------------------------------------ batch building
     def _batch(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                with_tokens: bool = False) -> HostBatch:
-        op = batch.operation
-        rows_seg, rows_pos, seg_blocks, depths = [], [], [], []
-        for s, item in enumerate(batch.items):
-            t = tables[item.request_id]
-            seg_blocks.append(t.depth[self.model.plane_of_depth(item.depth) - 1]
-                              if op is Operation.RECURRENT else t.flat)
-            rows_seg += [s] * len(item.positions)
-            rows_pos += item.positions
-            depths += [item.depth] * len(item.positions)
+        op, items = batch.operation, batch.items
+        if op is Operation.RECURRENT:
+            plane = self.model.plane_of_depth
+            seg_blocks = [tables[i.request_id].depth[plane(i.depth) - 1] for i in items]
+        else:
+            seg_blocks = [tables[i.request_id].flat for i in items]
         token_ids = seeds = logits_indices = None
         if with_tokens:
-            token_ids = [t for i in batch.items for t in reqs[i.request_id].tokens_at(i.positions)]
-            seeds = [reqs[i.request_id].seed for i in batch.items for _ in i.positions]
+            token_ids, seeds = [], []
+            for i in items:
+                req = reqs[i.request_id]
+                token_ids += req.tokens_at(i.positions)
+                seeds += [req.seed] * len(i.positions)
         if op is Operation.CODA:
             logits_indices, row = [], 0
             for item in batch.items:
                 want = set(item.logits_positions)
                 logits_indices += [row + j for j, p in enumerate(item.positions) if p in want]
                 row += len(item.positions)
-        return host_batch(op, rows_seg, rows_pos, seg_blocks, self.layout.block_size, depths,
-                          token_ids=token_ids, seeds=seeds, logits_indices=logits_indices)
+        return host_batch(op, [i.positions for i in items], seg_blocks, self.layout.block_size,
+                          [i.depth for i in items], token_ids=token_ids, seeds=seeds, logits_indices=logits_indices)
 
     def _state_rows(self, batch: ScheduledBatch, assign: bool = False) -> torch.Tensor:
         return self.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign)

@@ -54,7 +54,7 @@ class Request:
     def tokens_at(self, positions: list[int]) -> list[int]:
         """token_at of each position; a contiguous run inside the prompt (a prefill chunk) is
         one slice, not a call per token."""
-        if positions and positions[-1] < self.prompt_len and positions == list(range(positions[0], positions[-1] + 1)):
+        if positions and positions[-1] < self.prompt_len and list(positions) == list(range(positions[0], positions[-1] + 1)):
             return list(self.prompt_token_ids[positions[0]:positions[-1] + 1])
         return [self.token_at(p) for p in positions]
 

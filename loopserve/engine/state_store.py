@@ -40,12 +40,12 @@ class StateStore:
         for rid, positions in items:
             mine = self._rows.setdefault(rid, {}) if assign else self._rows[rid]
             if assign:
-                fresh = [p for p in positions if p not in mine]
+                fresh = [p for p in positions if p not in mine] if mine else list(positions)
                 if len(fresh) > len(self._free):
                     self._grow(len(fresh) - len(self._free))
                 for p in fresh:
                     mine[p] = self._free.pop()
-            out += [mine[p] for p in positions]
+            out += map(mine.__getitem__, positions)
         return device_tensor(out, torch.int64, self.device)
 
     def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

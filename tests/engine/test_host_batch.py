@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from loopserve.engine.request import Request
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.model.batch import host_batch
+from loopserve.model.batch import _slots, host_batch, host_tensor
 from loopserve.scheduler import Operation
 
 
@@ -22,8 +22,7 @@ def test_tokens_at_equals_token_at_per_position(prompt, outs, drafts, data):
 
 
 def test_packed_batch_fields_and_graph_padding():
-    hb = host_batch(Operation.PRELUDE, [0, 0, 1], [3, 4, 17], [[5], [2, 9]], 16, depths=[0, 0, 0],
-                    token_ids=[7, 8, 9], seeds=[1, 1, 2])
+    hb = host_batch(Operation.PRELUDE, [(3, 4), (17,)], [[5], [2, 9]], 16, token_ids=[7, 8, 9], seeds=[1, 1, 2])
     mb = hb.to(torch.device("cpu"))
     assert mb.positions.tolist() == [3, 4, 17] and mb.positions.dtype == torch.int64
     assert mb.attn.slot_mapping.tolist() == [5 * 16 + 3, 5 * 16 + 4, 9 * 16 + 1]
@@ -32,7 +31,7 @@ def test_packed_batch_fields_and_graph_padding():
     assert mb.token_ids.tolist() == [7, 8, 9] and mb.seeds.tolist() == [1, 1, 2] and mb.logits_indices is None
     assert mb.attn.seg_bounds == [(0, 2), (2, 3)] and mb.attn.max_context_len == 18
 
-    dec = host_batch(Operation.RECURRENT, [0, 1], [3, 17], [[5], [2, 9]], 16, depths=[2, 3])
+    dec = host_batch(Operation.RECURRENT, [(3,), (17,)], [[5], [2, 9]], 16, [2, 3])
     pad = dec.padded(4, 3)  # the CUDA-graph layout: every field, padding rows inert
     buf = torch.full((pad.pack()[0].numel(),), 255, dtype=torch.uint8)
     sm = pad.to(torch.device("cpu"), out=buf, max_context_len=128)
@@ -42,3 +41,19 @@ def test_packed_batch_fields_and_graph_padding():
     assert sm.attn.context_lens.tolist() == [4, 18, 1, 1] and sm.attn.seg_starts.tolist() == [0, 1, 2, 3, 4]
     assert sm.logits_indices.tolist() == [0, 1, 2, 3] and sm.token_ids.tolist() == [0] * 4
     assert sm.attn.max_context_len == 128 and sm.attn.positions.data_ptr() == buf.data_ptr() + 5 * 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(bs=st.sampled_from([1, 4, 16]), start=st.integers(0, 70), n=st.integers(1, 60), data=st.data())
+def test_slots_of_a_contiguous_run_equal_the_per_position_formula(bs, start, n, data):
+    blocks = data.draw(st.permutations(range(-(-(start + n) // bs) + 3)))
+    run = tuple(range(start, start + n))
+    gappy = sorted(data.draw(st.sets(st.integers(0, start + n - 1), min_size=1, max_size=n)))
+    for ps in (run, gappy):
+        assert _slots(ps, list(blocks), bs) == [blocks[p // bs] * bs + p % bs for p in ps]
+
+
+def test_host_tensor_matches_torch_tensor():
+    for vals, dtype in (([3, -1, 2 ** 40], torch.int64), ([7, -2], torch.int32), ([], torch.int64), ([0.5], torch.float32)):
+        got = host_tensor(vals, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(vals, dtype=dtype))
