@@ -13,6 +13,22 @@ import torch
 from loopserve.model.batch import device_tensor
 
 
+_MAX_MEMSETS = 8  # more runs than this: one index_fill instead of many launches
+
+
+def _runs(ids: list[int], limit: int) -> list[tuple[int, int]] | None:
+    """The distinct ids as half-open runs [a, b) of consecutive values, or None past `limit` runs."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(set(ids)):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif len(runs) == limit:
+            return None
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 @dataclass(frozen=True)
 class KVSpec:
     num_flat_layers: int
@@ -45,8 +61,16 @@ class PagedKVCache:
         return self.pool(kind)[:, layer]
 
     def zero_blocks(self, kind: str, block_ids: list[int]) -> None:
-        idx = device_tensor(block_ids, torch.long, self.looped.device)
-        self.pool(kind).index_fill_(0, idx, 0)
+        """Zero fresh blocks (no stale K/V is ever readable): a few runs of consecutive ids (a
+        long prompt's blocks from a fresh pool) as memsets, a scattered list as one index_fill
+        (an indexed kernel: 9 ms for an 8k prompt's 6 GiB on the H200)."""
+        pool = self.pool(kind)
+        runs = _runs(block_ids, _MAX_MEMSETS)
+        if runs is None:
+            pool.index_fill_(0, device_tensor(block_ids, torch.long, pool.device), 0)
+            return
+        for a, b in runs:
+            pool[a:b].zero_()
 
     def copy_slots_looped(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every looped layer's K/V from src to dst slots (the last-exited fill)."""

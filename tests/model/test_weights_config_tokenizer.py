@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from loopserve.model.config import load_model_config, parse_config
@@ -90,6 +91,25 @@ def test_released_blocks_expose_no_old_data():
     kv.zero_blocks("flat", [2])
     assert kv.looped[[1, 3]].abs().sum() == 0 and kv.looped[0].abs().sum() > 0
     assert kv.flat[2].abs().sum() == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(0, 39), max_size=40))
+@example(ids=list(range(5, 30)) + [33, 34])  # two runs: memsets
+@example(ids=list(range(0, 40, 2)))  # 20 runs: one index_fill
+def test_zero_blocks_zeroes_exactly_the_given_blocks_as_runs_or_one_index_fill(ids):
+    from loopserve.model import paged_kv
+
+    m = resolve_model("tiny-ouro")
+    kv = PagedKVCache(m.kv_spec, 4, 40, 0, torch.float32, torch.device("cpu"))
+    kv.looped.fill_(7.0)
+    kv.zero_blocks("looped", ids)
+    zeroed = (kv.looped.flatten(1) == 0).all(1)
+    assert zeroed.tolist() == [b in set(ids) for b in range(40)]
+    assert (kv.looped.flatten(1) == 7.0).all(1).tolist() == [b not in set(ids) for b in range(40)]
+    runs = paged_kv._runs(ids, 1000)
+    assert [b for a, e in runs for b in range(a, e)] == sorted(set(ids))  # runs cover the ids, in order
+    assert all(e1 < a2 for (_, e1), (a2, _) in zip(runs, runs[1:]))  # maximal: no touching runs
 
 
 def test_byte_tokenizer_round_trip_and_incremental_utf8():
