@@ -62,7 +62,7 @@ class DecodeGraphs:
         ctx = max(MIN_CONTEXT_BUCKET, 1 << max(max(hb.context_lens) - 1, 0).bit_length())
         padded = hb.padded(p, self.width)
         if p not in self._inputs:
-            self._inputs[p] = torch.empty(padded.pack()[0].numel(), dtype=torch.uint8, device=self.device)
+            self._inputs[p] = torch.empty(padded.nbytes, dtype=torch.uint8, device=self.device)
         smb = _decode_view(padded.to(self.device, out=self._inputs[p], max_context_len=ctx))
         sstate = None
         if state is not None:

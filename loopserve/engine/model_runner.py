@@ -150,12 +150,13 @@ class ModelRunner:
         if None not in known:
             return [k for k, n in zip(known, counts) for _ in range(n)]
 
-        def per_row(field: str, dtype: torch.dtype) -> torch.Tensor:
-            return device_tensor([getattr(p, field) for p, n in zip(params, counts) for _ in range(n)],
-                                 dtype, self.device)
+        def per_row(field: str) -> list:
+            return [getattr(p, field) for p, n in zip(params, counts) for _ in range(n)]
 
-        return exit_mask(device_tensor(hb.depths, torch.int64, self.device), score, per_row("min_loops", torch.int64),
-                         per_row("max_loops", torch.int64), per_row("exit_threshold", torch.float32)).tolist()
+        ints = device_tensor(hb.depths + per_row("min_loops") + per_row("max_loops"), torch.int64,
+                             self.device).view(3, -1)  # one copy for the three integer rows
+        return exit_mask(ints[0], score, ints[1], ints[2],
+                         device_tensor(per_row("exit_threshold"), torch.float32, self.device)).tolist()
 
     @torch.inference_mode()
     def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],

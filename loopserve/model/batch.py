@@ -119,6 +119,13 @@ class HostBatch:
             width, self.block_size, self.seg_num_blocks + [1] * pad,
             (self.token_ids or [0] * t) + [0] * pad, (self.seeds or [0] * t) + [0] * pad, list(range(rows)))
 
+    @property
+    def nbytes(self) -> int:
+        """Size of `pack()`'s bytes."""
+        n64 = len(self.seg_starts) + 3 * self.num_rows + sum(
+            len(f) for f in (self.token_ids, self.seeds, self.logits_indices) if f is not None)
+        return 8 * n64 + 4 * (self.num_segs + len(self.block_tables))
+
     def pack(self) -> tuple[torch.Tensor, list[tuple[str, int, torch.dtype]]]:
         """(bytes on the host, [(field, length, dtype)]): int64 fields first, then int32, so
         every field's view of the bytes is aligned."""

@@ -33,7 +33,8 @@ def test_packed_batch_fields_and_graph_padding():
 
     dec = host_batch(Operation.RECURRENT, [(3,), (17,)], [[5], [2, 9]], 16, [2, 3])
     pad = dec.padded(4, 3)  # the CUDA-graph layout: every field, padding rows inert
-    buf = torch.full((pad.pack()[0].numel(),), 255, dtype=torch.uint8)
+    assert pad.nbytes == pad.pack()[0].numel() and hb.nbytes == hb.pack()[0].numel()
+    buf = torch.full((pad.nbytes,), 255, dtype=torch.uint8)
     sm = pad.to(torch.device("cpu"), out=buf, max_context_len=128)
     assert sm.attn.slot_mapping.tolist() == [83, 145, -1, -1]
     assert sm.attn.block_tables.tolist() == [[5, 0, 0], [2, 9, 0], [0, 0, 0], [0, 0, 0]]
