@@ -71,14 +71,20 @@ def weight_bytes_per_token(model) -> int:
     return looped * model.max_loops + head
 
 
+DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off"), "graphs": dict(fused_loop="off"),
+                "fused": dict(fused_loop="on")}
+
+
 def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256)) -> dict:
-    """Eager launches vs CUDA-graph replays of the same engine, each vs the weight-read bound."""
+    """Eager launches, CUDA-graph replays of the per-layer kernels and (batches the fused loop
+    takes) graphs of the fused loop kernel, each vs the weight-read bound."""
     out = {}
     bound = weight_bytes_per_token(model) / (base["copy_GBps"] * 1e9)
     for batch in batches:
-        for graphs in (False, True):
-            e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288,
-                       cuda_graphs=graphs)
+        for mode, kw in DECODE_MODES.items():
+            if mode == "fused" and batch > EngineConfig().fused_loop_rows:
+                continue
+            e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288, **kw)
             rng = random.Random(0)
             for i in range(batch):
                 e.add_request([rng.randrange(1000, 40000) for _ in range(256)],
@@ -89,7 +95,6 @@ def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 
                     times.setdefault(o.request_id, []).extend(o.token_times)
             torch.cuda.synchronize()
             per_tok = statistics.median((ts[-1] - ts[4]) / (len(ts) - 5) for ts in times.values())
-            mode = "graphs" if graphs else "eager"
             out[f"{batch}-{mode}"] = {"token_s": per_tok, "bound_s": bound, "ratio": per_tok / bound}
             print(f"[decode] batch {batch:3d} {mode:6s}: {per_tok * 1e3:7.2f} ms/token; weight-read "
                   f"bound {bound * 1e3:.2f} ms -> {per_tok / bound:.2f}x", flush=True)
@@ -97,6 +102,9 @@ def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 
             torch.cuda.empty_cache()
         speedup = out[f"{batch}-eager"]["token_s"] / out[f"{batch}-graphs"]["token_s"]
         print(f"[decode] batch {batch:3d}: graphs {speedup:.1f}x faster than eager", flush=True)
+        if f"{batch}-fused" in out:
+            speedup = out[f"{batch}-graphs"]["token_s"] / out[f"{batch}-fused"]["token_s"]
+            print(f"[decode] batch {batch:3d}: fused loop {speedup:.2f}x faster than per-layer graphs", flush=True)
     return out
 
 

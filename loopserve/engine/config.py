@@ -40,6 +40,10 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(4096, ge=1)
     cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs
     fuse_elementwise: bool = True  # on CUDA: torch.compile norms, RoPE, SwiGLU (one kernel each)
+    # Ouro decode batches of up to fused_loop_rows rows: each loop is one persistent kernel
+    # (auto: on CUDA; on: also on CPU under TRITON_INTERPRET=1, the CPU twin)
+    fused_loop: Literal["auto", "on", "off"] = "auto"
+    fused_loop_rows: int = Field(8, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -80,6 +80,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
         if config.fuse_elementwise and self.device.type == "cuda":
             fuse_elementwise()
+        fused = config.fused_loop == "on" or (config.fused_loop == "auto" and self.device.type == "cuda")
+        if not self.model.use_fused_loop(config.fused_loop_rows if fused else 0) and config.fused_loop == "on":
+            raise ValueError(f"fused_loop='on': model {config.model!r} has no fused loop kernel (Ouro has)")
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.use_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size),
                                    capture=True)

@@ -36,6 +36,11 @@ class LoopedModel(nn.Module):
         super().__init__()
         self._backend = None
 
+    def use_fused_loop(self, max_rows: int) -> bool:
+        """Run decode batches of up to `max_rows` rows (0: none) through a fused loop kernel
+        where the family has one; returns whether it does."""
+        return False
+
     def kv_planes(self, max_loops: int) -> int:
         """Looped-layer KV planes a request with `max_loops` needs (one per depth by default)."""
         return max_loops

@@ -174,6 +174,18 @@ class MergedLinear:
                     p.bias.data = b
         self._ptrs = self._pointers()
 
+    @torch.no_grad()
+    def adopt(self, buffer: torch.Tensor) -> None:
+        """Move the merged weight into `buffer` ([sum of out_features, in_features], e.g. one
+        layer's slice of a stack of all layers) and re-point the parts there."""
+        if any(p.bias is not None for p in self.parts):
+            raise ValueError("adopt() moves weights only; these layers have biases")
+        buffer.copy_(torch.cat([p.weight for p in self.parts]))
+        for p, w in zip(self.parts, buffer.split(self.sizes)):
+            p.weight.data = w
+        self._weight, self._bias = buffer, None
+        self._ptrs = self._pointers()
+
     def _pointers(self) -> list[int]:
         return [t.data_ptr() for p in self.parts for t in (p.weight, p.bias) if t is not None]
 

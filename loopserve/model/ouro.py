@@ -92,6 +92,15 @@ class OuroModel(LoopedModel):
         self.max_loops = cfg.loop_max
         thr = cfg.early_exit_threshold if cfg.exit_threshold is None else cfg.exit_threshold
         self.default_loop_params = LoopParams(cfg.min_loops, cfg.loop_max, thr)
+        self.fused_loop = None  # OuroFusedLoop when decode loops run as one kernel
+
+    def use_fused_loop(self, max_rows: int) -> bool:
+        if max_rows == 0:
+            self.fused_loop = None
+        else:
+            from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop  # Triton: only when asked
+            self.fused_loop = OuroFusedLoop(self, max_rows)
+        return True
 
     def end_of_loop(self, h: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exit gate on the normed hidden: (new Π(1-σ), score = 1 - Π(1-σ))."""
@@ -111,6 +120,8 @@ class OuroModel(LoopedModel):
         return LoopState(h, torch.ones(h.shape[0], device=h.device))
 
     def recurrent(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
+        if self.fused_loop is not None and self.fused_loop.applies(batch, kv):
+            return self.fused_loop(batch, state, kv)
         h = self.run_layers(state.hidden, self.rope(batch.positions),
                             lambda j, layer: self.paged_attend(batch, kv, "looped", j, layer.self_attn.scale))
         remaining, score = self.end_of_loop(h, state.aux)

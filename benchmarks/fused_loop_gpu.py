@@ -1,0 +1,112 @@
+"""One Ouro loop at decode batch sizes: the fused persistent kernel vs the per-layer kernels.
+
+Both run the same RECURRENT Operation on the same state and KV pool, each under a CUDA graph;
+prints µs per loop, the loop's weight-read bound (its layer weights / the torch copy
+bandwidth measured here), the ratios, and the largest output difference.
+
+Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
+       [--configs 512x8x1,1024x8x1,512x4x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from loopserve.model.batch import LoopState, host_batch
+from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
+from loopserve.model.layers import fuse_elementwise
+from loopserve.model.paged_kv import PagedKVCache
+from loopserve.model.registry import resolve_model
+from loopserve.scheduler.types import Operation
+
+
+def graph_time(fn, iters: int = 50) -> float:
+    """Seconds per call of fn replayed from a CUDA graph (captured after a warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def copy_gbps() -> float:
+    x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    t = graph_time(lambda: y.copy_(x), iters=10)
+    return 2 * x.numel() * 2 / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--model", default="ouro-1.4b-shape")
+    ap.add_argument("--configs", default="512x8x1",
+                    help="fused kernel variants, each BLOCK_K x num_warps x programs per SM")
+    args = ap.parse_args()
+    print("command: python " + " ".join(sys.argv), flush=True)
+    torch.manual_seed(0)
+    model = resolve_model(args.model, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    fuse_elementwise()
+    cfg, bs = model.config, 16
+    layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
+    bound = layer_bytes / (copy_gbps() * 1e9)
+    per_req = -(-(args.context + 1) // bs)
+    for batch in (int(b) for b in args.batches.split(",")):
+        kv = PagedKVCache(model.kv_spec, bs, batch * per_req + 1, 0, torch.bfloat16, torch.device("cuda"))
+        kv.looped.normal_(0, 0.5)
+        tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(batch)]
+        hb = host_batch(Operation.RECURRENT, [[args.context]] * batch, tables, bs, [1] * batch)
+        mb = hb.to(torch.device("cuda"))
+        state = LoopState(torch.randn(batch, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
+                          torch.ones(batch, device="cuda"))
+        results = {}
+        variants = [("per-layer kernels", None)]
+        for i, c in enumerate(args.configs.split(",")):
+            bk, nw, pps = (int(v) for v in c.split("x"))
+            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps)
+            if i == 0:
+                variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
+            variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))
+        for name, fused in variants:
+            model.fused_loop = fused
+            out = {}
+
+            def step() -> None:
+                out["r"] = model.recurrent(mb, state, kv)
+
+            with torch.inference_mode():
+                try:
+                    t = graph_time(step)
+                except Exception as e:  # report and go on with the other variants
+                    print(f"[fused] batch {batch} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    continue
+            results[name] = out["r"]
+            diff = ""
+            if name != "per-layer kernels" and "per-layer kernels" in results:
+                (ref, ref_score), (got, score) = results["per-layer kernels"], out["r"]
+                diff = (f"; max |Δhidden| {(ref.hidden.float() - got.hidden.float()).abs().max().item():.3g}"
+                        f" (|hidden| max {ref.hidden.float().abs().max().item():.3g}),"
+                        f" max |Δscore| {(ref_score - score).abs().max().item():.3g}")
+            print(f"[fused] batch {batch} {name}: {t * 1e6:8.1f} us/loop = {t / bound:.2f}x the weight-read "
+                  f"bound {bound * 1e6:.1f} us{diff}", flush=True)
+        model.fused_loop = None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The fused Ouro loop kernel under TRITON_INTERPRET=1 on CPU: one loop equals the per-layer
+path (hidden, exit state, score, the K/V written), weights stay shared after stacking, and an
+engine running it keeps the dense reference's greedy tokens. GPU twin: tests/gpu."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests are for CPU-only machines; tests/gpu covers CUDA", allow_module_level=True)
+
+from loopserve.model.batch import LoopState, host_batch  # noqa: E402
+from loopserve.model.fused_loop import ouro_loop  # noqa: E402
+from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop, num_splits, row_tile  # noqa: E402
+from loopserve.model.paged_kv import PagedKVCache  # noqa: E402
+from loopserve.model.registry import resolve_model  # noqa: E402
+from loopserve.scheduler.types import Operation  # noqa: E402
+
+if not ouro_loop.INTERPRET:
+    pytest.skip("kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
+
+
+def _case(model, positions, depths, block_size, dtype, seed=0, pad_rows=0):
+    """A decode-shaped RECURRENT batch over a random KV pool (each row its own blocks); pad_rows
+    rows as a CUDA-graph batch pads them (slot -1, position 0, block 0)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = PagedKVCache(model.kv_spec, block_size, 128, 0, dtype, torch.device("cpu"))
+    kv.looped.copy_(torch.randn(kv.looped.shape, generator=g))
+    tables, nxt = [], 1
+    for p in positions:
+        n = p // block_size + 1
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    hb = host_batch(Operation.RECURRENT, [[p] for p in positions], tables, block_size, depths)
+    if pad_rows:
+        hb = hb.padded(len(positions) + pad_rows, hb.width)
+    mb = hb.to(torch.device("cpu"))
+    t = mb.num_rows
+    state = LoopState(torch.randn(t, model.state_dim, generator=g).to(dtype), torch.rand(t, generator=g))
+    return kv, mb, state
+
+
+def _compare(model, fused, case, atol):
+    kv, mb, state = case
+    outs = []
+    for f in (None, fused):
+        pool = PagedKVCache(model.kv_spec, kv.block_size, kv.looped.shape[0], 0, kv.looped.dtype,
+                            torch.device("cpu"))
+        pool.looped.copy_(kv.looped)
+        model.fused_loop = f
+        try:
+            with torch.inference_mode():
+                (st, score) = model.recurrent(mb, LoopState(state.hidden.clone(), state.aux.clone()), pool)
+        finally:
+            model.fused_loop = None
+        outs.append((st, score, pool.looped))
+    (ref, ref_score, ref_pool), (got, score, pool) = outs
+    torch.testing.assert_close(got.hidden.float(), ref.hidden.float(), atol=atol, rtol=atol)
+    torch.testing.assert_close(got.aux, ref.aux, atol=atol, rtol=atol)
+    torch.testing.assert_close(score, ref_score, atol=atol, rtol=atol)
+    torch.testing.assert_close(pool.float(), ref_pool.float(), atol=atol, rtol=atol)
+
+
+@pytest.fixture(scope="module")
+def ouro():
+    return resolve_model("tiny-ouro", seed=0)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 40])
+def test_one_loop_equals_the_per_layer_path(ouro, programs):
+    """Rows at different depths and contexts (GQA: 4 q heads over 2 kv heads); 40 programs
+    give long rows several KV splits, some of them empty."""
+    case = _case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
+    assert num_splits(4, 2, 40, 301) == 2
+    _compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
+
+
+def test_padding_rows_write_no_kv(ouro):
+    """A graph-padded batch: the padding rows' outputs are dropped and they write nothing."""
+    case = _case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
+    _compare(ouro, OuroFusedLoop(ouro, num_programs=2), case, atol=1e-5)
+
+
+def test_bf16_storage(ouro):
+    m = resolve_model("tiny-ouro", dtype=torch.bfloat16, seed=0)
+    case = _case(m, [3, 40], [1, 2], block_size=4, dtype=torch.bfloat16)
+    _compare(m, OuroFusedLoop(m, num_programs=2), case, atol=5e-2)
+
+
+def test_stacking_shares_storage_and_follows_new_weights():
+    m = resolve_model("tiny-ouro", seed=1)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    fused = OuroFusedLoop(m, num_programs=2)
+    st = fused.stacked()
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    layer = m.model.layers[1]
+    assert layer.self_attn.k_proj.weight.data_ptr() == st.qkv[1, layer.self_attn.h * layer.self_attn.hd:].data_ptr()
+    assert layer.post_attention_layernorm_2.weight.data_ptr() == st.norms[1, 3 * m.config.hidden_size:].data_ptr()
+    ptr = layer.self_attn.qkv._weight.data_ptr()
+    with torch.inference_mode():  # the unfused path does not merge again: it reads the stack
+        layer.self_attn.qkv(torch.zeros(1, m.config.hidden_size))
+    assert layer.self_attn.qkv._weight.data_ptr() == ptr == st.qkv[1].data_ptr()
+    m.load_state_dict({k: v * 0.5 for k, v in before.items()})  # in place: the stack sees it
+    assert fused.stacked() is st and torch.equal(st.down[0], before["model.layers.0.mlp.down_proj.weight"] * 0.5)
+    layer.mlp.down_proj.weight = torch.nn.Parameter(torch.ones_like(layer.mlp.down_proj.weight))
+    assert fused.stacked() is not st  # a replaced parameter: stacked again
+    assert torch.equal(fused.stacked().down[1], torch.ones_like(st.down[1]))
+    case = _case(m, [6, 13], [1, 2], block_size=4, dtype=torch.float32)
+    _compare(m, fused, case, atol=1e-5)
+
+
+def test_row_tile_balances_programs():
+    assert row_tile(2048, 132) == 16  # 128 tiles: one each
+    assert row_tile(11264, 132) == 8  # 16-row tiles leave the busiest program 96 rows, 8-row 88
+    assert row_tile(6144, 132) == 16
+
+
+def test_rejects_bad_settings(ouro):
+    with pytest.raises(ValueError, match="max_rows=0 must be in"):
+        OuroFusedLoop(ouro, max_rows=0)
+    with pytest.raises(ValueError, match="use_barrier needs concurrent programs"):
+        OuroFusedLoop(ouro, use_barrier=True)
+
+
+def test_engine_with_fused_loop_matches_dense_reference():
+    """Decode steps through the fused kernel (prompt batches through the per-layer path)."""
+    from tests.engine.conftest import make_engine, reference, run_to_completion, workload
+
+    engine = make_engine("tiny-ouro", fused_loop="on", fused_loop_rows=4)
+    assert engine.model.fused_loop is not None
+    work = workload(seed=3, n=3, max_tokens=4)
+    for rid, prompt, params in work:
+        engine.add_request(prompt, params, request_id=rid)
+    outs, depths = run_to_completion(engine)
+    assert engine.model.fused_loop.runs > 0
+    engine.model.use_fused_loop(0)
+    for rid, prompt, params in work:
+        tokens, ref_depths = reference("tiny-ouro", prompt, params)
+        assert outs[rid] == list(tokens), f"{rid}: tokens differ"
+        assert depths[rid] == list(ref_depths), f"{rid}: exit depths differ"
