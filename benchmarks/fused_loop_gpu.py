@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--configs", default="512x8x1",
-                    help="fused kernel variants, each BLOCK_K x num_warps x programs per SM")
+                    help="fused kernel variants, each BLOCK_K x num_warps x programs per SM [x 0: no L2 prefetch]")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
     torch.manual_seed(0)
@@ -78,8 +78,8 @@ def main() -> None:
         results = {}
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
-            bk, nw, pps = (int(v) for v in c.split("x"))
-            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps)
+            bk, nw, pps, *pf = (int(v) for v in c.split("x"))
+            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch=pf != [0])
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
             variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))

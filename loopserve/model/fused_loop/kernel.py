@@ -51,6 +51,22 @@ def _rms(x, mask, n, eps):
 
 
 @triton.jit
+def _prefetch_rows(W, n0, N, K, ROWS: tl.constexpr, MAX_BYTES: tl.constexpr):
+    """Ask L2 for (up to MAX_BYTES of) rows [n0, n0 + ROWS) of a row-major W[N, K], without
+    waiting: weights never depend on the phase before, so their DRAM reads can start while a
+    program waits at a barrier or runs latency-bound attention."""
+    if n0 < N:
+        esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.minimum(tl.minimum(N - n0, ROWS) * K * esize, MAX_BYTES).to(tl.int64)
+        base = (W + n0.to(tl.int64) * K).to(tl.int64, bitcast=True)
+        line = tl.arange(0, 1024).to(tl.int64) * 128
+        for off in range(0, nbytes, 1024 * 128):
+            addr = base + tl.minimum(off + line, nbytes - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta, write_x,
               BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """x' = x + rms(δ)·w1 (x when not has_delta); Scratch = rms(x')·w2; XOut = x' if write_x."""
@@ -71,12 +87,17 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
-          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
     """Y[b, :N] = W[N, K] · Xs[b, :K] for b < num_rows; tiles of BN rows, grid-strided. The
-    next K chunk of W is loaded before the current one is used (twice the bytes in flight)."""
+    next K chunk of W is loaded before the current one is used, and with PREFETCH the whole
+    tile and the program's next one are requested into L2 first (more bytes in flight than
+    registers could hold)."""
     b_idx = tl.arange(0, BLOCK_B)
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
+        if PREFETCH:
+            _prefetch_rows(W, t * BN, N, K, BN, 1 << 30)
+            _prefetch_rows(W, (t + num_progs) * BN, N, K, BN, 1 << 30)
         n = t * BN + tl.arange(0, BN)
         n_mask = n < N
         rows = W + n[:, None].to(tl.int64) * K
@@ -229,7 +250,8 @@ def ouro_loop_kernel(
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
-        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr):
+        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
+        NEXT_BYTES: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2)."""
     pid = tl.program_id(0)
@@ -243,6 +265,15 @@ def ouro_loop_kernel(
         layer = ph // PHASES
         kind = ph % PHASES
         lw = layer.to(tl.int64)
+        if PREFETCH:  # this program's first rows of the next GEMV phase, during this one
+            if kind < 2:
+                _prefetch_rows(Wo + lw * H * NQ, pid * BN_O, H, NQ, BN_O, NEXT_BYTES)
+            elif kind == 2:
+                _prefetch_rows(Wgu + lw * 2 * I * H, pid * BN_GU, 2 * I, H, BN_GU, NEXT_BYTES)
+            elif kind == 3:
+                _prefetch_rows(Wdown + lw * H * I, pid * BN_DOWN, H, I, BN_DOWN, NEXT_BYTES)
+            elif layer + 1 < L:
+                _prefetch_rows(Wqkv + (lw + 1) * NQKV * H, pid * BN_QKV, NQKV, H, BN_QKV, NEXT_BYTES)
         if layer == L:
             if pid == 0:
                 _add_norm(xa, H, Delta, Norms + (L - 1) * 4 * H + 3 * H, WNorm, xa, scratch,
@@ -257,7 +288,7 @@ def ouro_loop_kernel(
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _gemv(Wqkv + lw * NQKV * H, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                      BLOCK_B, BN_QKV, BK)
+                      BLOCK_B, BN_QKV, BK, PREFETCH)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
                        Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
@@ -266,18 +297,18 @@ def ouro_loop_kernel(
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
                 _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_D)
-                _gemv(Wo + lw * H * NQ, H, NQ, scratch, Delta, num_rows, pid, num_progs, BLOCK_B, BN_O, BK)
+                _gemv(Wo + lw * H * NQ, H, NQ, scratch, Delta, num_rows, pid, num_progs, BLOCK_B, BN_O, BK, PREFETCH)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _gemv(Wgu + lw * 2 * I * H, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                      BLOCK_B, BN_GU, BK)
+                      BLOCK_B, BN_GU, BK, PREFETCH)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _swiglu_rows(GU, scratch, num_rows, I, BLOCK_I)
                 _gemv(Wdown + lw * H * I, H, I, scratch, Delta, num_rows, pid, num_progs,
-                      BLOCK_B, BN_DOWN, BK)
+                      BLOCK_B, BN_DOWN, BK, PREFETCH)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

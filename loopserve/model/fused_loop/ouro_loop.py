@@ -65,7 +65,7 @@ class OuroFusedLoop:
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 8,
-                 programs_per_sm: int = 1) -> None:
+                 programs_per_sm: int = 1, prefetch: bool = True) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -83,6 +83,7 @@ class OuroFusedLoop:
             raise ValueError("use_barrier needs concurrent programs; the Triton interpreter runs them in turn")
         self.block_k = block_k
         self.programs_per_sm = programs_per_sm
+        self.prefetch = prefetch  # L2 prefetch of weights (PTX; not under the interpreter)
         self.num_warps = num_warps
         self._stacked: _Stacked | None = None
         self._grids: dict[int, int] = {}  # padded rows -> the barrier grid that fits
@@ -198,6 +199,7 @@ class OuroFusedLoop:
                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_I=min(triton.next_power_of_2(inter), 2048),
                 BN_QKV=row_tile(nqkv, progs), BN_O=row_tile(h, progs), BN_GU=row_tile(2 * inter, progs),
                 BN_DOWN=row_tile(h, progs), BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
+                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024,
                 num_warps=self.num_warps)
             if warmup:
                 return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
