@@ -13,56 +13,13 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("interpreter tests are for CPU-only machines; tests/gpu covers CUDA", allow_module_level=True)
 
-from loopserve.model.batch import LoopState, host_batch  # noqa: E402
 from loopserve.model.fused_loop import ouro_loop  # noqa: E402
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop, num_splits, row_tile  # noqa: E402
-from loopserve.model.paged_kv import PagedKVCache  # noqa: E402
 from loopserve.model.registry import resolve_model  # noqa: E402
-from loopserve.scheduler.types import Operation  # noqa: E402
+from tests.gpu.fused_cases import compare, make_case  # noqa: E402
 
 if not ouro_loop.INTERPRET:
     pytest.skip("kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
-
-
-def _case(model, positions, depths, block_size, dtype, seed=0, pad_rows=0):
-    """A decode-shaped RECURRENT batch over a random KV pool (each row its own blocks); pad_rows
-    rows as a CUDA-graph batch pads them (slot -1, position 0, block 0)."""
-    g = torch.Generator().manual_seed(seed)
-    kv = PagedKVCache(model.kv_spec, block_size, 128, 0, dtype, torch.device("cpu"))
-    kv.looped.copy_(torch.randn(kv.looped.shape, generator=g))
-    tables, nxt = [], 1
-    for p in positions:
-        n = p // block_size + 1
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    hb = host_batch(Operation.RECURRENT, [[p] for p in positions], tables, block_size, depths)
-    if pad_rows:
-        hb = hb.padded(len(positions) + pad_rows, hb.width)
-    mb = hb.to(torch.device("cpu"))
-    t = mb.num_rows
-    state = LoopState(torch.randn(t, model.state_dim, generator=g).to(dtype), torch.rand(t, generator=g))
-    return kv, mb, state
-
-
-def _compare(model, fused, case, atol):
-    kv, mb, state = case
-    outs = []
-    for f in (None, fused):
-        pool = PagedKVCache(model.kv_spec, kv.block_size, kv.looped.shape[0], 0, kv.looped.dtype,
-                            torch.device("cpu"))
-        pool.looped.copy_(kv.looped)
-        model.fused_loop = f
-        try:
-            with torch.inference_mode():
-                (st, score) = model.recurrent(mb, LoopState(state.hidden.clone(), state.aux.clone()), pool)
-        finally:
-            model.fused_loop = None
-        outs.append((st, score, pool.looped))
-    (ref, ref_score, ref_pool), (got, score, pool) = outs
-    torch.testing.assert_close(got.hidden.float(), ref.hidden.float(), atol=atol, rtol=atol)
-    torch.testing.assert_close(got.aux, ref.aux, atol=atol, rtol=atol)
-    torch.testing.assert_close(score, ref_score, atol=atol, rtol=atol)
-    torch.testing.assert_close(pool.float(), ref_pool.float(), atol=atol, rtol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +31,21 @@ def ouro():
 def test_one_loop_equals_the_per_layer_path(ouro, programs):
     """Rows at different depths and contexts (GQA: 4 q heads over 2 kv heads); 40 programs
     give long rows several KV splits, some of them empty."""
-    case = _case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
+    case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
     assert num_splits(4, 2, 40, 301) == 2
-    _compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
+    compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
 
 
 def test_padding_rows_write_no_kv(ouro):
     """A graph-padded batch: the padding rows' outputs are dropped and they write nothing."""
-    case = _case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
-    _compare(ouro, OuroFusedLoop(ouro, num_programs=2), case, atol=1e-5)
+    case = make_case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
+    compare(ouro, OuroFusedLoop(ouro, num_programs=2), case, atol=1e-5)
 
 
 def test_bf16_storage(ouro):
     m = resolve_model("tiny-ouro", dtype=torch.bfloat16, seed=0)
-    case = _case(m, [3, 40], [1, 2], block_size=4, dtype=torch.bfloat16)
-    _compare(m, OuroFusedLoop(m, num_programs=2), case, atol=5e-2)
+    case = make_case(m, [3, 40], [1, 2], block_size=4, dtype=torch.bfloat16)
+    compare(m, OuroFusedLoop(m, num_programs=2), case, atol=5e-2)
 
 
 def test_stacking_shares_storage_and_follows_new_weights():
@@ -109,8 +66,8 @@ def test_stacking_shares_storage_and_follows_new_weights():
     layer.mlp.down_proj.weight = torch.nn.Parameter(torch.ones_like(layer.mlp.down_proj.weight))
     assert fused.stacked() is not st  # a replaced parameter: stacked again
     assert torch.equal(fused.stacked().down[1], torch.ones_like(st.down[1]))
-    case = _case(m, [6, 13], [1, 2], block_size=4, dtype=torch.float32)
-    _compare(m, fused, case, atol=1e-5)
+    case = make_case(m, [6, 13], [1, 2], block_size=4, dtype=torch.float32)
+    compare(m, fused, case, atol=1e-5)
 
 
 def test_row_tile_balances_programs():
