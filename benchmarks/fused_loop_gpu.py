@@ -14,6 +14,7 @@ import argparse
 import sys
 
 import torch
+from gemv_gpu import graph_time  # benchmarks/ is the script's directory
 
 from loopserve.model.batch import LoopState, host_batch
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
@@ -23,31 +24,10 @@ from loopserve.model.registry import resolve_model
 from loopserve.scheduler.types import Operation
 
 
-def graph_time(fn, iters: int = 50) -> float:
-    """Seconds per call of fn replayed from a CUDA graph (captured after a warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3 / iters
-
-
 def copy_gbps() -> float:
     x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    t = graph_time(lambda: y.copy_(x), iters=10)
+    t = graph_time(lambda: y.copy_(x), calls=1, replays=10)
     return 2 * x.numel() * 2 / t / 1e9
 
 
@@ -92,7 +72,7 @@ def main() -> None:
 
             with torch.inference_mode():
                 try:
-                    t = graph_time(step)
+                    t = graph_time(step, calls=1, replays=50)
                 except Exception as e:  # report and go on with the other variants
                     print(f"[fused] batch {batch} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue

@@ -36,6 +36,18 @@ def _segment_of(SegStarts, num_segs, pid, BQ: tl.constexpr):
 
 
 @triton.jit
+def kv_tile(Cache, Table, kpos, kv_hi, d, d_mask, sc_blk, sc_kv, sc_off, sc_d, PAGE: tl.constexpr):
+    """(k, v, in_range) of positions kpos (< kv_hi) of one head through a block table."""
+    in_range = kpos < kv_hi
+    blk = tl.load(Table + kpos // PAGE, mask=in_range, other=0).to(tl.int64)
+    kv_off = blk * sc_blk + (kpos % PAGE) * sc_off
+    kv_mask = in_range[:, None] & d_mask[None, :]
+    k = tl.load(Cache + kv_off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0)
+    v = tl.load(Cache + sc_kv + kv_off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0)
+    return k, v, in_range
+
+
+@triton.jit
 def _paged_attn_kernel(Q, Cache, Out, MPart, LPart, SegStarts, BlockTables, Positions,
                        num_segs, num_rows, num_splits, qk_scale, window,
                        sq_t, sq_h, sq_d, so_t, so_h, so_d,
@@ -80,12 +92,7 @@ def _paged_attn_kernel(Q, Cache, Out, MPart, LPart, SegStarts, BlockTables, Posi
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
-        in_range = kpos < kv_hi
-        blk = tl.load(table + kpos // PAGE, mask=in_range, other=0).to(tl.int64)
-        kv_off = blk * sc_blk + (kpos % PAGE) * sc_off
-        kv_mask = in_range[:, None] & d_mask[None, :]
-        k = tl.load(k_base + kv_off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0)
-        v = tl.load(k_base + sc_kv + kv_off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0)
+        k, v, in_range = kv_tile(k_base, table, kpos, kv_hi, d, d_mask, sc_blk, sc_kv, sc_off, sc_d, PAGE)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
         visible = (kpos[None, :] <= pos[:, None]) & in_range[None, :]
         if HAS_WINDOW:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from loopserve.model.attention.triton_kv_write import _rotated
+from loopserve.model.attention.triton_paged_attn import kv_tile
 
 PHASES_PER_LAYER = 5  # the kernel's PHASES argument
 
@@ -164,12 +165,9 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)
-            in_range = kpos < hi
-            blk = tl.load(Tables + row * s_tab + kpos // PAGE, mask=in_range, other=0).to(tl.int64)
-            off = blk * sc_blk + (kpos % PAGE) * sc_off
-            kv_mask = in_range[:, None] & d_mask[None, :]
-            k = tl.load(cache + off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(cache + sc_kv + off[:, None] + d[None, :] * sc_d, mask=kv_mask, other=0.0).to(tl.float32)
+            k, v, in_range = kv_tile(cache, Tables + row * s_tab, kpos, hi, d, d_mask, sc_blk, sc_kv, sc_off,
+                                     sc_d, PAGE)
+            k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale
             s = tl.where(in_range[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
