@@ -5,7 +5,7 @@ prints µs per loop, the loop's weight-read bound (its layer weights / the torch
 bandwidth measured here), the ratios, and the largest output difference.
 
 Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
-       [--configs 512x8x1,1024x8x1,512x4x2]
+       [--configs 256x4x1,128x4x1x0x1x4,512x8x1x0x0]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--configs", default="512x8x1",
-                    help="fused kernel variants, each BLOCK_K x num_warps x programs per SM [x 0: no L2 prefetch]")
+                    help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch 0/1 "
+                         "[x GEMV mode 0/1 [x num_stages]]]; the first also runs per-phase launches")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
     torch.manual_seed(0)
@@ -58,8 +59,9 @@ def main() -> None:
         results = {}
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
-            bk, nw, pps, *pf = (int(v) for v in c.split("x"))
-            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch=pf != [0])
+            bk, nw, pps, pf, mode, stages = [*(int(v) for v in c.split("x")), 0, 1, 3][:6]
+            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch=bool(pf), gemv_mode=mode,
+                      num_stages=stages)
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
             variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))

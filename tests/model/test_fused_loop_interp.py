@@ -36,6 +36,14 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
     compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_core_gemv_mode(dtype):
+    """GEMV mode 1 (tl.dot, rows padded to 16; x rounded to the weights' dtype)."""
+    m = resolve_model("tiny-ouro", dtype=dtype, seed=0)
+    case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=dtype)
+    compare(m, OuroFusedLoop(m, num_programs=3, gemv_mode=1), case, atol=1e-5 if dtype == torch.float32 else 5e-2)
+
+
 def test_padding_rows_write_no_kv(ouro):
     """A graph-padded batch: the padding rows' outputs are dropped and they write nothing."""
     case = make_case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
@@ -81,6 +89,8 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, max_rows=0)
     with pytest.raises(ValueError, match="use_barrier needs concurrent programs"):
         OuroFusedLoop(ouro, use_barrier=True)
+    with pytest.raises(ValueError, match="gemv_mode=2 must be one of"):
+        OuroFusedLoop(ouro, gemv_mode=2)
 
 
 def test_engine_with_fused_loop_matches_dense_reference():

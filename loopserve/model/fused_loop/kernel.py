@@ -88,12 +88,15 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
-          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
-    """Y[b, :N] = W[N, K] · Xs[b, :K] for b < num_rows; tiles of BN rows, grid-strided. The
-    next K chunk of W is loaded before the current one is used, and with PREFETCH the whole
-    tile and the program's next one are requested into L2 first (more bytes in flight than
-    registers could hold)."""
-    b_idx = tl.arange(0, BLOCK_B)
+          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+          MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[b, :N] = W[N, K] · Xs[b, :K] for b < num_rows; tiles of BN rows, grid-strided.
+
+    MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile (the next K
+    chunk loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
+    (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16 rows cost
+    the same and Triton's software pipeline keeps several K chunks in flight. With PREFETCH
+    the whole tile and the program's next one are first requested into L2."""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
         if PREFETCH:
@@ -102,20 +105,37 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
         n = t * BN + tl.arange(0, BN)
         n_mask = n < N
         rows = W + n[:, None].to(tl.int64) * K
-        acc = tl.zeros([BLOCK_B, BN], tl.float32)
-        w = tl.load(rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        for k0 in range(0, K, BK):
-            k = k0 + kk
-            k_next = k + BK
-            w_next = tl.load(rows + k_next[None, :], mask=n_mask[:, None] & (k_next < K)[None, :],
-                             other=0.0, eviction_policy="evict_first")
-            wf = w.to(tl.float32)
+        if MODE == 1:
+            BM: tl.constexpr = 16 if BLOCK_B < 16 else BLOCK_B
+            b_idx = tl.arange(0, BM)
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, K, BK):
+                k = k0 + kk
+                w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                x = tl.load(Xs + b_idx[:, None] * K + k[None, :], mask=(b_idx < num_rows)[:, None] & (k < K)[None, :],
+                            other=0.0)
+                x = x.to(w.dtype)
+                if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            b_idx = tl.arange(0, BLOCK_B)
+            acc = tl.zeros([BLOCK_B, BN], tl.float32)
             for r in tl.static_range(BLOCK_B):
-                x = tl.load(Xs + r * K + k, mask=(k < K) & (k * 0 + r < num_rows), other=0.0)
-                part = tl.sum(wf * x[None, :], axis=1)
-                acc = tl.where(b_idx[:, None] == r, acc + part[None, :], acc)
-            w = w_next
+                acc2 = tl.zeros([BN, BK], tl.float32)
+                w = tl.load(rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                for k0 in range(0, K, BK):
+                    k = k0 + kk
+                    k_next = k + BK
+                    w_next = tl.load(rows + k_next[None, :], mask=n_mask[:, None] & (k_next < K)[None, :],
+                                     other=0.0, eviction_policy="evict_first")
+                    x = tl.load(Xs + r * K + k, mask=(k < K) & (k * 0 + r < num_rows), other=0.0)
+                    acc2 += w.to(tl.float32) * x[None, :]
+                    w = w_next
+                acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
         tl.store(Y + b_idx[:, None] * N + n[None, :], acc, mask=(b_idx < num_rows)[:, None] & n_mask[None, :])
 
 
@@ -249,7 +269,8 @@ def ouro_loop_kernel(
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
-        NEXT_BYTES: tl.constexpr):
+        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr,
+        INTERPRET: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2)."""
     pid = tl.program_id(0)
@@ -286,7 +307,7 @@ def ouro_loop_kernel(
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _gemv(Wqkv + lw * NQKV * H, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                      BLOCK_B, BN_QKV, BK, PREFETCH)
+                      BLOCK_B, BN_QKV, BK, PREFETCH, GEMV_MODE, INTERPRET)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
                        Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
@@ -295,18 +316,18 @@ def ouro_loop_kernel(
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
                 _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_D)
-                _gemv(Wo + lw * H * NQ, H, NQ, scratch, Delta, num_rows, pid, num_progs, BLOCK_B, BN_O, BK, PREFETCH)
+                _gemv(Wo + lw * H * NQ, H, NQ, scratch, Delta, num_rows, pid, num_progs, BLOCK_B, BN_O, BK, PREFETCH, GEMV_MODE, INTERPRET)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _gemv(Wgu + lw * 2 * I * H, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                      BLOCK_B, BN_GU, BK, PREFETCH)
+                      BLOCK_B, BN_GU, BK, PREFETCH, GEMV_MODE, INTERPRET)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _swiglu_rows(GU, scratch, num_rows, I, BLOCK_I)
                 _gemv(Wdown + lw * H * I, H, I, scratch, Delta, num_rows, pid, num_progs,
-                      BLOCK_B, BN_DOWN, BK, PREFETCH)
+                      BLOCK_B, BN_DOWN, BK, PREFETCH, GEMV_MODE, INTERPRET)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

@@ -23,7 +23,7 @@ from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER, ouro_loop_kernel
 from loopserve.model.paged_kv import PagedKVCache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_ROW_TILES = (16, 8, 4)  # GEMV tile heights to choose from
+_ROW_TILES = {0: (16, 8, 4), 1: (32, 16)}  # GEMV tile heights per GEMV mode (tensor cores: >= 16)
 _MIN_SPLIT_LEN = 128  # KV positions per attention split worth a work item of its own
 _MAX_SPLITS = 64
 
@@ -37,9 +37,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def row_tile(n: int, programs: int) -> int:
+def row_tile(n: int, programs: int, mode: int = 0) -> int:
     """The GEMV tile height that leaves the busiest program the fewest rows (ties: taller)."""
-    return min(_ROW_TILES, key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
+    return min(_ROW_TILES[mode], key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
 
 
 def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int) -> int:
@@ -65,7 +65,8 @@ class OuroFusedLoop:
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 8,
-                 programs_per_sm: int = 1, prefetch: bool = True) -> None:
+                 programs_per_sm: int = 1, prefetch: bool = False, gemv_mode: int = 0,
+                 num_stages: int = 3) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -84,6 +85,10 @@ class OuroFusedLoop:
         self.block_k = block_k
         self.programs_per_sm = programs_per_sm
         self.prefetch = prefetch  # L2 prefetch of weights (PTX; not under the interpreter)
+        if gemv_mode not in _ROW_TILES:
+            raise ValueError(f"gemv_mode={gemv_mode} must be one of {sorted(_ROW_TILES)}")
+        self.gemv_mode = gemv_mode  # kernel.py's _gemv MODE
+        self.num_stages = num_stages
         self.num_warps = num_warps
         self._stacked: _Stacked | None = None
         self._grids: dict[int, int] = {}  # padded rows -> the barrier grid that fits
@@ -175,6 +180,7 @@ class OuroFusedLoop:
         rot = m.rope(batch.positions)
         cache, meta, gate = kv.looped, batch.attn, m.model.early_exit_gate
         block_g, block_d = triton.next_power_of_2(hq // hkv), triton.next_power_of_2(d)
+        gm = self.gemv_mode
 
         def launch(progs: int, spans: list[tuple[int, int]], warmup: bool = False):
             """Every span's launch on one workspace (warmup: compile only, return the kernel)."""
@@ -195,12 +201,12 @@ class OuroFusedLoop:
             consts = dict(
                 L=cfg.num_hidden_layers, H=h, I=inter, HQ=hq, HKV=hkv, HEAD_D=d, PAGE=meta.block_size,
                 BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
-                BLOCK_N=max(16, min(64, 8192 // (block_g * block_d))), BLOCK_D=block_d,
+                BLOCK_N=max(16, min(64, 4096 // (block_g * block_d))), BLOCK_D=block_d,
                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_I=min(triton.next_power_of_2(inter), 2048),
-                BN_QKV=row_tile(nqkv, progs), BN_O=row_tile(h, progs), BN_GU=row_tile(2 * inter, progs),
-                BN_DOWN=row_tile(h, progs), BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
-                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024,
-                num_warps=self.num_warps)
+                BN_QKV=row_tile(nqkv, progs, gm), BN_O=row_tile(h, progs, gm), BN_GU=row_tile(2 * inter, progs, gm),
+                BN_DOWN=row_tile(h, progs, gm), BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
+                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024, GEMV_MODE=gm, INTERPRET=INTERPRET,
+                num_warps=self.num_warps, num_stages=self.num_stages)
             if warmup:
                 return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
             for lo, hi in spans:
