@@ -25,17 +25,21 @@ def _run(engine: EngineCore, work) -> dict[str, list[int]]:
     return outs
 
 
-def _engine(family: str, model, dtype: str) -> EngineCore:
+def _engine(family: str, model, dtype: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(model=family, device="cuda", dtype=dtype, block_size=16,
-                                   num_blocks=1024, max_model_len=128), model=model)
+                                   num_blocks=1024, max_model_len=128, **kw), model=model)
 
 
-@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
-def test_cuda_engine_matches_dense_reference_fp32(family):
+@pytest.mark.parametrize("family,fused", [("tiny-huginn", "off"), ("tiny-ouro", "off"), ("tiny-ouro", "on")])
+def test_cuda_engine_matches_dense_reference_fp32(family, fused):
+    """fused=on: decode loops through the fused Ouro loop kernel, under CUDA graphs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
     work = workload(seed=1, n=8)
-    outs = _run(_engine(family, model, "float32"), work)
+    outs = _run(_engine(family, model, "float32", fused_loop=fused), work)
+    if fused == "on":
+        assert model.fused_loop.runs > 0
+        model.use_fused_loop(0)
     for rid, prompt, params in work:
         d = model.default_loop_params
         p = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, model.max_loops)
