@@ -34,7 +34,7 @@ def test_fused_loop_equals_per_layer_fp32(models, rows, barrier):
 
 
 @pytest.mark.parametrize("config", [dict(), dict(block_k=256, num_warps=4, programs_per_sm=2),
-                                    dict(prefetch=False)])
+                                    dict(prefetch=True), dict(gemv_mode=1)])
 def test_fused_loop_bf16_variants(models, config):
     from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
 

@@ -11,30 +11,18 @@ next call stacks again.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 
+from loopserve.model.attention.triton_backend import _INTERPRET as INTERPRET
+from loopserve.model.attention.triton_backend import _MAX_SPLITS, _MIN_SPLIT_LEN, _num_sms, _pow2_floor
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER, ouro_loop_kernel
 from loopserve.model.paged_kv import PagedKVCache
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _ROW_TILES = {0: (16, 8, 4), 1: (32, 16)}  # GEMV tile heights per GEMV mode (tensor cores: >= 16)
-_MIN_SPLIT_LEN = 128  # KV positions per attention split worth a work item of its own
-_MAX_SPLITS = 64
-
-
-@lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def row_tile(n: int, programs: int, mode: int = 0) -> int:
@@ -121,8 +109,9 @@ class OuroFusedLoop:
 
         def stack(parts_of) -> torch.Tensor:
             """One [L, ...] tensor of each layer's parts concatenated; the parts become views."""
-            first = torch.cat([p.data for p in parts_of(layers[0])])
-            buf = torch.empty((len(layers), *first.shape), dtype=w0.dtype, device=w0.device)
+            parts0 = parts_of(layers[0])
+            shape = (sum(p.shape[0] for p in parts0), *parts0[0].shape[1:])
+            buf = torch.empty((len(layers), *shape), dtype=w0.dtype, device=w0.device)
             for i, layer in enumerate(layers):
                 parts = parts_of(layer)
                 buf[i].copy_(torch.cat([p.data for p in parts]))
@@ -158,12 +147,10 @@ class OuroFusedLoop:
 
     # ------------------------------------------------------------------ launch
     def applies(self, batch: ModelBatch, kv: PagedKVCache) -> bool:
-        """Decode-shaped (one row per segment), at most max_rows rows, on a device the kernel
-        runs on (CUDA; CPU under the interpreter)."""
+        """Decode-shaped (one row per segment), at most max_rows rows (the constructor checked
+        that the model is where the kernel runs)."""
         t = batch.num_rows
-        dev = kv.looped.device
-        return (0 < t <= self.max_rows and len(batch.attn.seg_bounds) == t
-                and (dev.type == "cuda" or INTERPRET))
+        return 0 < t <= self.max_rows and len(batch.attn.seg_bounds) == t
 
     def __call__(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
         m, cfg = self.model, self.model.config
@@ -214,7 +201,7 @@ class OuroFusedLoop:
 
         n_phases = PHASES_PER_LAYER * cfg.num_hidden_layers + 1
         if not self.use_barrier:
-            launch(self.num_programs or (1 if INTERPRET else _num_sms(dev.index or 0)),
+            launch(self.num_programs or (1 if INTERPRET else _num_sms(dev)),
                    [(p, p + 1) for p in range(n_phases)])
         else:
             everything = [(0, n_phases)]
@@ -228,7 +215,7 @@ class OuroFusedLoop:
         once (a program that cannot be resident would leave the others spinning forever)."""
         if rows in self._grids:
             return self._grids[rows]
-        sms = _num_sms(dev.index or 0)
+        sms = _num_sms(dev)
         wants = [self.num_programs] if self.num_programs else [p * sms for p in range(self.programs_per_sm, 0, -1)]
         for progs in wants:
             fits = sms * resident_per_sm(compile_for(progs), self.num_warps, dev)
