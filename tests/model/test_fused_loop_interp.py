@@ -37,11 +37,15 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_core_gemv_mode(dtype):
-    """GEMV mode 1 (tl.dot, rows padded to 16; x rounded to the weights' dtype)."""
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_gemv_modes(dtype, mode):
+    """GEMV modes 1 (tl.dot, rows padded to 16; x rounded to the weights' dtype), 2 and 3
+    (TMA-ring chunks into FMAs / tl.dot). block_k 32 gives every K several chunks, so the
+    flat (tile, chunk) loop crosses tile boundaries; 3 programs own unequal tile counts."""
     m = resolve_model("tiny-ouro", dtype=dtype, seed=0)
     case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=dtype)
-    compare(m, OuroFusedLoop(m, num_programs=3, gemv_mode=1), case, atol=1e-5 if dtype == torch.float32 else 5e-2)
+    fused = OuroFusedLoop(m, num_programs=3, gemv_mode=mode, block_k=32 if mode >= 2 else 512)
+    compare(m, fused, case, atol=1e-5 if dtype == torch.float32 else 5e-2)
 
 
 def test_padding_rows_write_no_kv(ouro):
@@ -89,8 +93,10 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, max_rows=0)
     with pytest.raises(ValueError, match="use_barrier needs concurrent programs"):
         OuroFusedLoop(ouro, use_barrier=True)
-    with pytest.raises(ValueError, match="gemv_mode=2 must be one of"):
-        OuroFusedLoop(ouro, gemv_mode=2)
+    with pytest.raises(ValueError, match="gemv_mode=4 must be one of"):
+        OuroFusedLoop(ouro, gemv_mode=4)
+    with pytest.raises(ValueError, match="block_k=512 must be <= 256 in TMA GEMV mode 2"):
+        OuroFusedLoop(ouro, gemv_mode=2, block_k=512)
 
 
 def test_engine_with_fused_loop_matches_dense_reference():

@@ -140,6 +140,66 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
 
 
 @triton.jit
+def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
+              BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+              DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[b, :N] = W[N, K] · Xs[b, :K], W's [BN, BK] chunks read by TMA bulk copies into a
+    STAGES-deep shared-memory ring (Hopper): one flat loop over this program's (tile, K
+    chunk) pairs, so the copies stream on across tile boundaries and ~STAGES chunks are
+    always in flight, where register loads kept one. Desc views the stacked [L·N, K]
+    weights; row0 = layer · N (rows past N belong to the next layer or are zero-filled past
+    the end; they are never stored). DOT False: fp32 FMAs into a [rows, BN, BK] accumulator,
+    reduced once per tile; True: tensor cores, W the left operand (rows padded to 16)."""
+    kk = tl.arange(0, BK)
+    nk = tl.cdiv(K, BK)
+    mine = tl.cdiv(tl.cdiv(N, BN) - pid, num_progs)
+    if DOT:
+        BM: tl.constexpr = 16 if BLOCK_B < 16 else BLOCK_B
+        b_idx = tl.arange(0, BM)
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        b_idx = tl.arange(0, BLOCK_B)
+        acc = tl.zeros([BLOCK_B, BN, BK], tl.float32)
+    for i in tl.range(0, mine * nk, num_stages=STAGES):
+        t = pid + (i // nk) * num_progs
+        kc = i % nk
+        k = kc * BK + kk
+        w = Desc.load([row0 + t * BN, kc * BK])
+        x = tl.load(Xs + b_idx[:, None] * K + k[None, :], mask=(b_idx < num_rows)[:, None] & (k < K)[None, :],
+                    other=0.0)
+        if DOT:
+            if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(w.dtype).to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision="ieee")
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        if kc == nk - 1:
+            n = t * BN + tl.arange(0, BN)
+            if DOT:
+                tl.store(Y + b_idx[None, :] * N + n[:, None], acc,
+                         mask=(b_idx < num_rows)[None, :] & (n < N)[:, None])
+                acc = tl.zeros([BN, BM], tl.float32)
+            else:
+                tl.store(Y + b_idx[:, None] * N + n[None, :], tl.sum(acc, axis=2),
+                         mask=(b_idx < num_rows)[:, None] & (n < N)[None, :])
+                acc = tl.zeros([BLOCK_B, BN, BK], tl.float32)
+
+
+@triton.jit
+def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
+            BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+            MODE: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
+    if MODE >= 2:
+        _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
+                  MODE == 3, INTERPRET)
+    else:
+        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, PREFETCH, MODE,
+              INTERPRET)
+
+
+@triton.jit
 def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc, MPart, LPart,
                num_rows, num_splits, qk_scale, pid, num_progs,
                sc_blk, sc_kv, sc_off, sc_h, sc_d,
@@ -260,7 +320,7 @@ def ouro_loop_kernel(
         Hidden, s_hid, Out, RemIn, RemOut, Score,
         Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
         Cache, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
-        Wqkv, Wo, Wgu, Wdown, Norms, WNorm, WGate, BGate,
+        Wqkv, Wo, Wgu, Wdown, DWqkv, DWo, DWgu, DWdown, Norms, WNorm, WGate, BGate,
         Xres, Delta, QKV, GU, Acc, MPart, LPart, Scratch, s_scr, Count,
         num_rows, num_splits, qk_scale, eps, phase_lo, phase_hi,
         L: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
@@ -269,10 +329,11 @@ def ouro_loop_kernel(
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
-        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr,
+        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr,
         INTERPRET: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
-    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2)."""
+    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). DW*: TMA
+    descriptors of the stacked weights viewed as [L·N, K] (GEMV modes 2, 3; else None)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     NQ: tl.constexpr = HQ * HEAD_D
@@ -306,8 +367,8 @@ def ouro_loop_kernel(
                 else:
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
-                _gemv(Wqkv + lw * NQKV * H, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                      BLOCK_B, BN_QKV, BK, PREFETCH, GEMV_MODE, INTERPRET)
+                _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
+                        BLOCK_B, BN_QKV, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
                        Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
@@ -316,18 +377,19 @@ def ouro_loop_kernel(
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
                 _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_D)
-                _gemv(Wo + lw * H * NQ, H, NQ, scratch, Delta, num_rows, pid, num_progs, BLOCK_B, BN_O, BK, PREFETCH, GEMV_MODE, INTERPRET)
+                _linear(Wo, DWo, lw, H, NQ, scratch, Delta, num_rows, pid, num_progs,
+                        BLOCK_B, BN_O, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
-                _gemv(Wgu + lw * 2 * I * H, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                      BLOCK_B, BN_GU, BK, PREFETCH, GEMV_MODE, INTERPRET)
+                _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
+                        BLOCK_B, BN_GU, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _swiglu_rows(GU, scratch, num_rows, I, BLOCK_I)
-                _gemv(Wdown + lw * H * I, H, I, scratch, Delta, num_rows, pid, num_progs,
-                      BLOCK_B, BN_DOWN, BK, PREFETCH, GEMV_MODE, INTERPRET)
+                _linear(Wdown, DWdown, lw, H, I, scratch, Delta, num_rows, pid, num_progs,
+                        BLOCK_B, BN_DOWN, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

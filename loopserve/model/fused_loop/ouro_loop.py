@@ -11,10 +11,11 @@ next call stacks again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loopserve.model.attention.triton_backend import _INTERPRET as INTERPRET
 from loopserve.model.attention.triton_backend import _MAX_SPLITS, _MIN_SPLIT_LEN, _num_sms, _pow2_floor
@@ -22,7 +23,10 @@ from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER, ouro_loop_kernel
 from loopserve.model.paged_kv import PagedKVCache
 
-_ROW_TILES = {0: (16, 8, 4), 1: (32, 16)}  # GEMV tile heights per GEMV mode (tensor cores: >= 16)
+# GEMV tile heights per GEMV mode (kernel.py: 0 registers/FMA, 1 registers/tensor cores, 2 TMA
+# ring/FMA, 3 TMA ring/tensor cores; tensor cores need >= 16)
+_ROW_TILES = {0: (16, 8, 4), 1: (32, 16), 2: (16, 8), 3: (32, 16)}
+_TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
 
 
 def row_tile(n: int, programs: int, mode: int = 0) -> int:
@@ -44,6 +48,14 @@ class _Stacked:
     down: torch.Tensor  # [L, H, I]
     norms: torch.Tensor  # [L, 4 H]: input_layernorm(_2), post_attention_layernorm(_2)
     ptrs: list[int]
+    descs: dict = field(default_factory=dict)  # (kind, BN, BK) -> TMA descriptor of [L·N, K]
+
+    def desc(self, kind: str, bn: int, bk: int) -> TensorDescriptor:
+        key = (kind, bn, bk)
+        if key not in self.descs:
+            w = getattr(self, kind)
+            self.descs[key] = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk])
+        return self.descs[key]
 
 
 class OuroFusedLoop:
@@ -75,7 +87,9 @@ class OuroFusedLoop:
         self.prefetch = prefetch  # L2 prefetch of weights (PTX; not under the interpreter)
         if gemv_mode not in _ROW_TILES:
             raise ValueError(f"gemv_mode={gemv_mode} must be one of {sorted(_ROW_TILES)}")
-        self.gemv_mode = gemv_mode  # kernel.py's _gemv MODE
+        if gemv_mode >= 2 and block_k > _TMA_MAX_BOX:
+            raise ValueError(f"block_k={block_k} must be <= {_TMA_MAX_BOX} in TMA GEMV mode {gemv_mode}")
+        self.gemv_mode = gemv_mode  # kernel.py's _linear MODE
         self.num_stages = num_stages
         self.num_warps = num_warps
         self._stacked: _Stacked | None = None
@@ -179,10 +193,13 @@ class OuroFusedLoop:
             count = count.view(torch.int32)
             if not warmup:
                 count.zero_()
+            bn = {"qkv": row_tile(nqkv, progs, gm), "o": row_tile(h, progs, gm),
+                  "gate_up": row_tile(2 * inter, progs, gm), "down": row_tile(h, progs, gm)}
+            descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
             args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
                     meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
                     rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
-                    st.qkv, st.o, st.gate_up, st.down, st.norms, m.model.norm.weight, gate.weight, gate.bias,
+                    st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
                     xres, delta, qkv, gu, acc, m_part, l_part, scratch, bb * kmax, count,
                     t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
             consts = dict(
@@ -190,9 +207,9 @@ class OuroFusedLoop:
                 BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
                 BLOCK_N=max(16, min(64, 4096 // (block_g * block_d))), BLOCK_D=block_d,
                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_I=min(triton.next_power_of_2(inter), 2048),
-                BN_QKV=row_tile(nqkv, progs, gm), BN_O=row_tile(h, progs, gm), BN_GU=row_tile(2 * inter, progs, gm),
-                BN_DOWN=row_tile(h, progs, gm), BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
-                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024, GEMV_MODE=gm, INTERPRET=INTERPRET,
+                BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
+                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
+                INTERPRET=INTERPRET,
                 num_warps=self.num_warps, num_stages=self.num_stages)
             if warmup:
                 return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
