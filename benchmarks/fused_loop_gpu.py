@@ -2,7 +2,9 @@
 
 Both run the same RECURRENT Operation on the same state and KV pool, each under a CUDA graph;
 prints µs per loop, the loop's weight-read bound (its layer weights / the torch copy
-bandwidth measured here), the ratios, and the largest output difference.
+bandwidth measured here, bytes read + written per second of a 1 GiB copy timed eagerly as
+gpu_h200.py does: a copy replayed from a graph runs as a memcpy node at ~2/3 of that rate), the
+ratios, and the largest output difference.
 
 Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
        [--configs 256x4x1,128x4x1x0x1x4,512x8x1x0x0]
@@ -27,7 +29,15 @@ from loopserve.scheduler.types import Operation
 def copy_gbps() -> float:
     x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    t = graph_time(lambda: y.copy_(x), calls=1, replays=10)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    torch.cuda.synchronize()
+    t = a.elapsed_time(b) / 1e3 / 10
     return 2 * x.numel() * 2 / t / 1e9
 
 
@@ -37,7 +47,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--configs", default="512x8x1",
-                    help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch 0/1 "
+                    help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch KiB "
                          "[x GEMV mode 0/1 [x num_stages]]]; the first also runs per-phase launches")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
@@ -59,8 +69,9 @@ def main() -> None:
         results = {}
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
-            bk, nw, pps, pf, mode, stages = [*(int(v) for v in c.split("x")), 0, 1, 3][:6]
-            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch=bool(pf), gemv_mode=mode,
+            vals = [int(v) for v in c.split("x")]
+            bk, nw, pps, pf, mode, stages = vals + [0, 0, 3][len(vals) - 3:]
+            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch_kib=pf, gemv_mode=mode,
                       num_stages=stages)
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))

@@ -1,6 +1,6 @@
 """Compile the fused loop kernel (ouro-1.4b-shape, bf16) for sm_90 without a GPU and print
 its registers, spills and shared memory (Triton's bundled ptxas and cuobjdump): how many
-programs an SM can hold. Usage: MODE=0|1|2|3 [STAGES=4] python benchmarks/fused_loop_regs.py 1x512x8 [BxBKxWARPS ...]
+programs an SM can hold. Usage: MODE=0|1|2|3 [STAGES=4] [PREFETCH=0|1] python benchmarks/fused_loop_regs.py 1x512x8 [BxBKxWARPS ...]
 (modes 2, 3 take BK <= 256); also says how many TMA copies the software pipeline issues."""
 import os, subprocess, sys, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
@@ -10,6 +10,7 @@ from triton.compiler.compiler import ASTSource
 from loopserve.model.fused_loop.kernel import ouro_loop_kernel, PHASES_PER_LAYER
 
 MODE = int(os.environ.get("MODE", "1"))
+PREFETCH = bool(int(os.environ.get("PREFETCH", "0")))
 STAGES = int(os.environ.get("STAGES", "4"))
 def compile_cfg(BB=1, BK=512, nw=8, progs=132, prefetch=False, dtype="bf16"):
     from loopserve.model.fused_loop.ouro_loop import row_tile
@@ -51,4 +52,4 @@ def compile_cfg(BB=1, BK=512, nw=8, progs=132, prefetch=False, dtype="bf16"):
 if __name__ == "__main__":
     for c in sys.argv[1:] or ["1x512x8"]:
         bb, bk, nw = (int(v) for v in c.split("x"))
-        compile_cfg(bb, bk, nw)
+        compile_cfg(bb, bk, nw, prefetch=PREFETCH)

@@ -52,19 +52,25 @@ def _rms(x, mask, n, eps):
 
 
 @triton.jit
-def _prefetch_rows(W, n0, N, K, ROWS: tl.constexpr, MAX_BYTES: tl.constexpr):
-    """Ask L2 for (up to MAX_BYTES of) rows [n0, n0 + ROWS) of a row-major W[N, K], without
-    waiting: weights never depend on the phase before, so their DRAM reads can start while a
-    program waits at a barrier or runs latency-bound attention."""
-    if n0 < N:
-        esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.minimum(tl.minimum(N - n0, ROWS) * K * esize, MAX_BYTES).to(tl.int64)
-        base = (W + n0.to(tl.int64) * K).to(tl.int64, bitcast=True)
-        line = tl.arange(0, 1024).to(tl.int64) * 128
-        for off in range(0, nbytes, 1024 * 128):
-            addr = base + tl.minimum(off + line, nbytes - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch_slice(W, N, K, BN, pid, num_progs, MAX_BYTES: tl.constexpr):
+    """Ask L2 for this program's tiles (rows [t·BN, t·BN + BN) for t = pid, pid + num_progs, ...)
+    of a row-major W[N, K], up to MAX_BYTES, without waiting: weights never depend on the
+    phase before, so DRAM streams them while the program waits at a barrier, runs
+    latency-bound attention or builds its input vector. One `cp.async.bulk.prefetch` per
+    tile from one thread (the copy engine walks the bytes; sm_90)."""
+    esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    tile_bytes = BN * K * esize
+    budget = tl.minimum(MAX_BYTES, tl.cdiv(tl.cdiv(N, BN) - pid, num_progs) * tile_bytes)
+    t = pid
+    for off in range(0, budget, tile_bytes):
+        rows = tl.minimum(N - t * BN, BN)
+        nbytes = tl.minimum(rows * K * esize, budget - off).to(tl.int32) // 16 * 16
+        addr = (W + t.to(tl.int64) * BN * K).to(tl.int64, bitcast=True) + tl.zeros([1], tl.int64)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        t += num_progs
 
 
 @triton.jit
@@ -88,20 +94,16 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
-          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
-          MODE: tl.constexpr, DOT_F32: tl.constexpr):
+          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+          DOT_F32: tl.constexpr):
     """Y[b, :N] = W[N, K] · Xs[b, :K] for b < num_rows; tiles of BN rows, grid-strided.
 
     MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile (the next K
     chunk loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
     (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16 rows cost
-    the same and Triton's software pipeline keeps several K chunks in flight. With PREFETCH
-    the whole tile and the program's next one are first requested into L2."""
+    the same and Triton's software pipeline keeps several K chunks in flight."""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
-        if PREFETCH:
-            _prefetch_rows(W, t * BN, N, K, BN, 1 << 30)
-            _prefetch_rows(W, (t + num_progs) * BN, N, K, BN, 1 << 30)
         n = t * BN + tl.arange(0, BN)
         n_mask = n < N
         rows = W + n[:, None].to(tl.int64) * K
@@ -188,15 +190,14 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
 
 @triton.jit
 def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
-            BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
-            MODE: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+            BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+            STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
     if MODE >= 2:
         _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
                   MODE == 3, INTERPRET)
     else:
-        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, PREFETCH, MODE,
-              INTERPRET)
+        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, INTERPRET)
 
 
 @triton.jit
@@ -345,15 +346,15 @@ def ouro_loop_kernel(
         layer = ph // PHASES
         kind = ph % PHASES
         lw = layer.to(tl.int64)
-        if PREFETCH:  # this program's first rows of the next GEMV phase, during this one
+        if PREFETCH:  # this program's part of the next GEMV phase's weights, during this one
             if kind < 2:
-                _prefetch_rows(Wo + lw * H * NQ, pid * BN_O, H, NQ, BN_O, NEXT_BYTES)
+                _prefetch_slice(Wo + lw * H * NQ, H, NQ, BN_O, pid, num_progs, NEXT_BYTES)
             elif kind == 2:
-                _prefetch_rows(Wgu + lw * 2 * I * H, pid * BN_GU, 2 * I, H, BN_GU, NEXT_BYTES)
+                _prefetch_slice(Wgu + lw * 2 * I * H, 2 * I, H, BN_GU, pid, num_progs, NEXT_BYTES)
             elif kind == 3:
-                _prefetch_rows(Wdown + lw * H * I, pid * BN_DOWN, H, I, BN_DOWN, NEXT_BYTES)
+                _prefetch_slice(Wdown + lw * H * I, H, I, BN_DOWN, pid, num_progs, NEXT_BYTES)
             elif layer + 1 < L:
-                _prefetch_rows(Wqkv + (lw + 1) * NQKV * H, pid * BN_QKV, NQKV, H, BN_QKV, NEXT_BYTES)
+                _prefetch_slice(Wqkv + (lw + 1) * NQKV * H, NQKV, H, BN_QKV, pid, num_progs, NEXT_BYTES)
         if layer == L:
             if pid == 0:
                 _add_norm(xa, H, Delta, Norms + (L - 1) * 4 * H + 3 * H, WNorm, xa, scratch,
@@ -368,7 +369,7 @@ def ouro_loop_kernel(
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, INTERPRET)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
                        Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
@@ -378,18 +379,18 @@ def ouro_loop_kernel(
             if pid < tl.cdiv(H, BN_O):
                 _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_D)
                 _linear(Wo, DWo, lw, H, NQ, scratch, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, INTERPRET)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, INTERPRET)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _swiglu_rows(GU, scratch, num_rows, I, BLOCK_I)
                 _linear(Wdown, DWdown, lw, H, I, scratch, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, PREFETCH, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, INTERPRET)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

@@ -65,7 +65,7 @@ class OuroFusedLoop:
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 8,
-                 programs_per_sm: int = 1, prefetch: bool = False, gemv_mode: int = 0,
+                 programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
                  num_stages: int = 3) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
@@ -84,7 +84,11 @@ class OuroFusedLoop:
             raise ValueError("use_barrier needs concurrent programs; the Triton interpreter runs them in turn")
         self.block_k = block_k
         self.programs_per_sm = programs_per_sm
-        self.prefetch = prefetch  # L2 prefetch of weights (PTX; not under the interpreter)
+        if prefetch_kib < 0:
+            raise ValueError(f"prefetch_kib={prefetch_kib} must be >= 0")
+        # KiB per program of the next GEMV phase's weights requested into L2 ahead (sm_90 PTX;
+        # not under the interpreter); 0: off
+        self.prefetch_kib = prefetch_kib
         if gemv_mode not in _ROW_TILES:
             raise ValueError(f"gemv_mode={gemv_mode} must be one of {sorted(_ROW_TILES)}")
         if gemv_mode >= 2 and block_k > _TMA_MAX_BOX:
@@ -208,7 +212,7 @@ class OuroFusedLoop:
                 BLOCK_N=max(16, min(64, 4096 // (block_g * block_d))), BLOCK_D=block_d,
                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_I=min(triton.next_power_of_2(inter), 2048),
                 BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
-                PREFETCH=self.prefetch and not INTERPRET, NEXT_BYTES=64 * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
+                PREFETCH=self.prefetch_kib > 0 and not INTERPRET, NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
                 INTERPRET=INTERPRET,
                 num_warps=self.num_warps, num_stages=self.num_stages)
             if warmup:
