@@ -7,7 +7,12 @@ gpu_h200.py does: a copy replayed from a graph runs as a memcpy node at ~2/3 of 
 ratios, and the largest output difference.
 
 Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
-       [--configs 256x4x1,128x4x1x0x1x4,512x8x1x0x0]
+       [--configs 256x4x1,128x4x1x0x1x4,512x8x1x0x0] [--phase-times]
+
+--phase-times: after timing each grid-barrier variant, one more loop with the kernel's
+%globaltimer stamps on, printed per phase kind (kernel.py's _stamp): the phase's wall time
+(first start to the next phase's first start), and the slowest program's time to build its
+input vector (the norm, the split merge, SwiGLU) and to finish its work.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from gemv_gpu import graph_time  # benchmarks/ is the script's directory
 
 from loopserve.model.batch import LoopState, host_batch
+from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
 from loopserve.model.layers import fuse_elementwise
 from loopserve.model.paged_kv import PagedKVCache
@@ -41,6 +47,27 @@ def copy_gbps() -> float:
     return 2 * x.numel() * 2 / t / 1e9
 
 
+def phase_report(times: torch.Tensor) -> str:
+    """µs per phase kind, averaged over layers, from [phases, programs, 3] ns stamps (-1: the
+    program had no work in that phase)."""
+    t = times.cpu().double()
+    start = torch.where(t[..., 0] >= 0, t[..., 0], float("inf")).amin(1)
+    end = t[..., 2].amax(1)
+    wall = torch.cat([start[1:] - start[:-1], (end[-1:] - start[-1:])])
+    has = t[..., 1] >= 0
+    prologue = torch.where(has, t[..., 1] - t[..., 0], 0.0).amax(1)
+    work = torch.where(t[..., 2] >= 0, t[..., 2] - t[..., 0], 0.0).amax(1)
+    kinds = ["qkv", "attn", "o", "gateup", "down"]
+    lines = [f"loop {float(end[-1] - start[0]) / 1e3:.1f} us (stamped)"]
+    for k, name in enumerate(kinds + ["final"]):
+        sel = slice(k, -1, PHASES_PER_LAYER) if name != "final" else slice(-1, None)
+        w, pr, wk = (float(x[sel].mean()) / 1e3 for x in (wall, prologue, work))
+        n = wall[sel].numel()
+        lines.append(f"  {name:7s} wall {w:6.2f} us x{n} = {w * n:7.1f} us; slowest program: input {pr:5.2f}, "
+                     f"work {wk:6.2f}, so barrier + skew {w - wk:5.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
@@ -48,7 +75,8 @@ def main() -> None:
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--configs", default="512x8x1",
                     help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch KiB "
-                         "[x GEMV mode 0/1 [x num_stages]]]; the first also runs per-phase launches")
+                         "[x GEMV mode 0-3 [x num_stages]]]; the first also runs per-phase launches")
+    ap.add_argument("--phase-times", action="store_true")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
     torch.manual_seed(0)
@@ -98,6 +126,14 @@ def main() -> None:
                         f" max |Δscore| {(ref_score - score).abs().max().item():.3g}")
             print(f"[fused] batch {batch} {name}: {t * 1e6:8.1f} us/loop = {t / bound:.2f}x the weight-read "
                   f"bound {bound * 1e6:.1f} us{diff}", flush=True)
+            if args.phase_times and fused is not None and fused.use_barrier:
+                fused.phase_times = True
+                with torch.inference_mode():
+                    for _ in range(3):
+                        step()
+                torch.cuda.synchronize()
+                fused.phase_times = False
+                print(phase_report(fused.last_phase_times), flush=True)
         model.fused_loop = None
 
 

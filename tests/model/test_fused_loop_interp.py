@@ -32,8 +32,16 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
     """Rows at different depths and contexts (GQA: 4 q heads over 2 kv heads); 40 programs
     give long rows several KV splits, some of them empty."""
     case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
-    assert num_splits(4, 2, 40, 301) == 2
+    assert num_splits(4, 2, 40, 301, 64) == 4  # tiny-ouro's KV tile is 64 positions
     compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
+
+
+def test_split_merge_in_head_chunks(ouro, monkeypatch):
+    """A merge tile smaller than every head's partials: the merge walks the heads in chunks
+    (one head per step here; 40 programs give 4 splits)."""
+    monkeypatch.setattr(ouro_loop, "_MERGE_TILE", 64)
+    case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
+    compare(ouro, OuroFusedLoop(ouro, num_programs=40), case, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,11 +11,12 @@ a grid barrier (an atomic counter) between them:
                           cache; flash-decoding partials per (row, kv head, split)
                 2 o:      merge the splits; δ = Wo[l] o
                 3 gateup: x'' = x' + rms(δ)·w_in2[l]; h = rms(x'')·w_post[l]; GU = Wgu[l] h
-                4 down:   δ = Wdown[l] (silu(GU_gate)·GU_up)
+                4 down:   δ = Wdown[l] (silu(GU_gate)·GU_up), SwiGLU applied as the GEMV reads GU
   final         out = rms(x + rms(δ)·w_post2[L-1])·w_norm; the exit gate; Π(1-σ) and score
 
-Each GEMV phase's input vector is built by every program that has tiles, into its own scratch
-row (a few KiB from L2, cheaper than another barrier); program 0 also writes the residual,
+Each GEMV phase's input vector (the norm, the merged attention) is built by every program
+that has tiles, into its own scratch row (a few KiB from L2, cheaper than another barrier);
+the down GEMV applies SwiGLU to GU as it reads it; program 0 also writes the residual,
 ping-ponging between two buffers so no program reads a row being rewritten. Every program
 must be resident at once for the barrier to complete: the launcher uses at most one program
 per SM. Without USE_BARRIER the host launches one phase at a time (the CPU twin under
@@ -42,6 +43,16 @@ def _grid_barrier(Count, target):
     while seen < target:
         seen = tl.atomic_add(Count, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(Times, ph, pid, num_progs, j: tl.constexpr, TIMING: tl.constexpr):
+    """Times[ph, pid, j] = the GPU's nanosecond clock (%globaltimer), when TIMING: where a
+    phase's time goes (j 0: start, 1: input vector built, 2: work done, before the barrier)."""
+    if TIMING:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([1], tl.int32)],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(Times + (ph * num_progs + pid) * 3 + j + tl.arange(0, 1), t)
 
 
 @triton.jit
@@ -95,8 +106,9 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
           BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-          DOT_F32: tl.constexpr):
-    """Y[b, :N] = W[N, K] · Xs[b, :K] for b < num_rows; tiles of BN rows, grid-strided.
+          SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
+    grid-strided.
 
     MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile (the next K
     chunk loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
@@ -115,9 +127,8 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
                 k = k0 + kk
                 w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
-                x = tl.load(Xs + b_idx[:, None] * K + k[None, :], mask=(b_idx < num_rows)[:, None] & (k < K)[None, :],
-                            other=0.0)
-                x = x.to(w.dtype)
+                x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :],
+                             SWIGLU).to(w.dtype)
                 if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
@@ -134,7 +145,7 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
                     k_next = k + BK
                     w_next = tl.load(rows + k_next[None, :], mask=n_mask[:, None] & (k_next < K)[None, :],
                                      other=0.0, eviction_policy="evict_first")
-                    x = tl.load(Xs + r * K + k, mask=(k < K) & (k * 0 + r < num_rows), other=0.0)
+                    x = _x_chunk(Xs, r, k, K, (k < K) & (k * 0 + r < num_rows), SWIGLU)
                     acc2 += w.to(tl.float32) * x[None, :]
                     w = w_next
                 acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
@@ -144,8 +155,8 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
               BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-              DOT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Y[b, :N] = W[N, K] · Xs[b, :K], W's [BN, BK] chunks read by TMA bulk copies into a
+              DOT: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[b, :N] = W[N, K] · x[b, :K] (x: _x_chunk of Xs), W's [BN, BK] chunks read by TMA bulk copies into a
     STAGES-deep shared-memory ring (Hopper): one flat loop over this program's (tile, K
     chunk) pairs, so the copies stream on across tile boundaries and ~STAGES chunks are
     always in flight, where register loads kept one. Desc views the stacked [L·N, K]
@@ -167,8 +178,7 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
         kc = i % nk
         k = kc * BK + kk
         w = Desc.load([row0 + t * BN, kc * BK])
-        x = tl.load(Xs + b_idx[:, None] * K + k[None, :], mask=(b_idx < num_rows)[:, None] & (k < K)[None, :],
-                    other=0.0)
+        x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :], SWIGLU)
         if DOT:
             if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(w.dtype).to(tl.float32)), acc, input_precision="ieee")
@@ -191,13 +201,13 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
             BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-            STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+            STAGES: tl.constexpr, SWIGLU: tl.constexpr, INTERPRET: tl.constexpr):
     """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
     if MODE >= 2:
         _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
-                  MODE == 3, INTERPRET)
+                  MODE == 3, SWIGLU, INTERPRET)
     else:
-        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, INTERPRET)
+        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, SWIGLU, INTERPRET)
 
 
 @triton.jit
@@ -265,36 +275,40 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
 
 @triton.jit
 def _merge(Acc, MPart, LPart, Scratch, num_rows, num_splits,
-           HQ: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Scratch[row, h·D + d] = the attention output of (row, head h), merged over splits."""
+           HQ: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HC: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """Scratch[row, h·D + d] = the attention output of (row, head h), merged over splits:
+    BLOCK_HC heads × every split per step, so a row costs one or two L2 round trips (one
+    per head was most of the o phase)."""
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     sp_mask = sp < num_splits
     d_mask = d < HEAD_D
-    for rh in range(0, num_rows * HQ):
-        part = sp * num_rows * HQ + rh
-        m = tl.load(MPart + part, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(LPart + part, mask=sp_mask, other=0.0, cache_modifier=".cg")
-        acc = tl.load(Acc + part[:, None] * HEAD_D + d[None, :], mask=sp_mask[:, None] & d_mask[None, :],
-                      other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m - tl.max(m, axis=0))  # the split holding the row's position is finite
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-        tl.store(Scratch + rh * HEAD_D + d, out, mask=d_mask)
+    for row in range(0, num_rows):
+        for h0 in tl.static_range(0, HQ, BLOCK_HC):
+            hh = h0 + tl.arange(0, BLOCK_HC)
+            part = (sp[:, None] * num_rows + row) * HQ + tl.minimum(hh, HQ - 1)[None, :]  # [S, HC]
+            m = tl.load(MPart + part, mask=sp_mask[:, None], other=float("-inf"), cache_modifier=".cg")
+            lsum = tl.load(LPart + part, mask=sp_mask[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.load(Acc + part[:, :, None] * HEAD_D + d[None, None, :],
+                          mask=sp_mask[:, None, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+            w = tl.exp2(m - tl.max(m, axis=0)[None, :])  # the split holding the row's position is finite
+            out = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(lsum * w, axis=0)[:, None]
+            tl.store(Scratch + (row * HQ + hh[:, None]) * HEAD_D + d[None, :], out,
+                     mask=(hh < HQ)[:, None] & d_mask[None, :])
     tl.debug_barrier()
 
 
 @triton.jit
-def _swiglu_rows(GU, Scratch, num_rows, I, BLOCK_I: tl.constexpr):
-    """Scratch[row, :I] = silu(gate)·up of GU[row] = [gate | up]."""
-    c = tl.arange(0, BLOCK_I)
-    for r in range(0, num_rows):
-        for c0 in range(0, I, BLOCK_I):
-            cc = c0 + c
-            m = cc < I
-            gate = tl.load(GU + r * 2 * I + cc, mask=m, other=0.0, cache_modifier=".cg")
-            up = tl.load(GU + r * 2 * I + I + cc, mask=m, other=0.0, cache_modifier=".cg")
-            tl.store(Scratch + r * I + cc, gate * tl.sigmoid(gate) * up, mask=m)
-    tl.debug_barrier()
+def _x_chunk(Xs, rows, k, K, mask, SWIGLU: tl.constexpr):
+    """A GEMV's input at (rows, k): Xs[rows, k], or with SWIGLU silu(gate)·up of the rows
+    Xs[rows] = [gate | up] (2K wide; written by other programs, so read past L1)."""
+    if SWIGLU:
+        gate = tl.load(Xs + rows * 2 * K + k, mask=mask, other=0.0, cache_modifier=".cg")
+        up = tl.load(Xs + rows * 2 * K + K + k, mask=mask, other=0.0, cache_modifier=".cg")
+        return gate * tl.sigmoid(gate) * up
+    else:
+        return tl.load(Xs + rows * K + k, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -322,19 +336,20 @@ def ouro_loop_kernel(
         Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
         Cache, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
         Wqkv, Wo, Wgu, Wdown, DWqkv, DWo, DWgu, DWdown, Norms, WNorm, WGate, BGate,
-        Xres, Delta, QKV, GU, Acc, MPart, LPart, Scratch, s_scr, Count,
+        Xres, Delta, QKV, GU, Acc, MPart, LPart, Scratch, s_scr, Count, Times,
         num_rows, num_splits, qk_scale, eps, phase_lo, phase_hi,
         L: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
         HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HC: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
         NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr,
-        INTERPRET: tl.constexpr):
+        TIMING: tl.constexpr, INTERPRET: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). DW*: TMA
-    descriptors of the stacked weights viewed as [L·N, K] (GEMV modes 2, 3; else None)."""
+    descriptors of the stacked weights viewed as [L·N, K] (GEMV modes 2, 3; else None). Times:
+    [phases, programs, 3] int64 when TIMING (see _stamp)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     NQ: tl.constexpr = HQ * HEAD_D
@@ -346,6 +361,7 @@ def ouro_loop_kernel(
         layer = ph // PHASES
         kind = ph % PHASES
         lw = layer.to(tl.int64)
+        _stamp(Times, ph, pid, num_progs, 0, TIMING)
         if PREFETCH:  # this program's part of the next GEMV phase's weights, during this one
             if kind < 2:
                 _prefetch_slice(Wo + lw * H * NQ, H, NQ, BN_O, pid, num_progs, NEXT_BYTES)
@@ -360,6 +376,7 @@ def ouro_loop_kernel(
                 _add_norm(xa, H, Delta, Norms + (L - 1) * 4 * H + 3 * H, WNorm, xa, scratch,
                           num_rows, H, eps, True, False, BLOCK_B, BLOCK_H)
                 _exit_gate(scratch, Out, WGate, BGate, RemIn, RemOut, Score, num_rows, H, BLOCK_B, BLOCK_H)
+                _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 0:
             if pid < tl.cdiv(NQKV, BN_QKV):
                 if layer == 0:
@@ -368,29 +385,37 @@ def ouro_loop_kernel(
                 else:
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
+                _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
                        Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
                        sc_blk, sc_kv, sc_off, sc_h, sc_d, HQ, HKV, HEAD_D, PAGE,
                        BLOCK_G, BLOCK_N, BLOCK_D)
+            _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
-                _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_D)
+                _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_HC, BLOCK_D)
+                _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wo, DWo, lw, H, NQ, scratch, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
+                _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, INTERPRET)
+                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                _stamp(Times, ph, pid, num_progs, 2, TIMING)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
-                _swiglu_rows(GU, scratch, num_rows, I, BLOCK_I)
-                _linear(Wdown, DWdown, lw, H, I, scratch, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, INTERPRET)
+                _stamp(Times, ph, pid, num_progs, 1, TIMING)
+                _linear(Wdown, DWdown, lw, H, I, GU, Delta, num_rows, pid, num_progs,
+                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, True, INTERPRET)
+                _stamp(Times, ph, pid, num_progs, 2, TIMING)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

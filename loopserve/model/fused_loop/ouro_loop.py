@@ -18,7 +18,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loopserve.model.attention.triton_backend import _INTERPRET as INTERPRET
-from loopserve.model.attention.triton_backend import _MAX_SPLITS, _MIN_SPLIT_LEN, _num_sms, _pow2_floor
+from loopserve.model.attention.triton_backend import _MAX_SPLITS, _num_sms, _pow2_floor
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER, ouro_loop_kernel
 from loopserve.model.paged_kv import PagedKVCache
@@ -27,6 +27,7 @@ from loopserve.model.paged_kv import PagedKVCache
 # ring/FMA, 3 TMA ring/tensor cores; tensor cores need >= 16)
 _ROW_TILES = {0: (16, 8, 4), 1: (32, 16), 2: (16, 8), 3: (32, 16)}
 _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
+_MERGE_TILE = 8192  # partial-output elements (splits × heads × head_dim) the split merge reads per step
 
 
 def row_tile(n: int, programs: int, mode: int = 0) -> int:
@@ -34,10 +35,12 @@ def row_tile(n: int, programs: int, mode: int = 0) -> int:
     return min(_ROW_TILES[mode], key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
 
 
-def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int) -> int:
-    """KV splits per (row, head): enough items to cover the programs, ≥128 positions each."""
+def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int, min_len: int) -> int:
+    """KV splits per (row, head): enough items to cover the programs, ≥ min_len positions
+    each (the kernel's KV tile: a split's tiles are one dependent L2/DRAM chain, and the
+    merge reads every split's partials in one step, so splits are cheap here)."""
     want = programs // max(rows * kv_heads, 1)
-    return max(1, min(_pow2_floor(want), _pow2_floor(max_context_len // _MIN_SPLIT_LEN), _MAX_SPLITS))
+    return max(1, min(_pow2_floor(want), _pow2_floor(max(max_context_len // min_len, 1)), _MAX_SPLITS))
 
 
 @dataclass
@@ -66,7 +69,7 @@ class OuroFusedLoop:
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 8,
                  programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
-                 num_stages: int = 3) -> None:
+                 num_stages: int = 3, phase_times: bool = False) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -96,6 +99,11 @@ class OuroFusedLoop:
         self.gemv_mode = gemv_mode  # kernel.py's _linear MODE
         self.num_stages = num_stages
         self.num_warps = num_warps
+        if phase_times and INTERPRET:
+            raise ValueError("phase_times reads the GPU's clock (PTX): not under the Triton interpreter")
+        # when set, each launch fills last_phase_times [phases, programs, 3] (ns; kernel.py's _stamp)
+        self.phase_times = phase_times
+        self.last_phase_times: torch.Tensor | None = None
         self._stacked: _Stacked | None = None
         self._grids: dict[int, int] = {}  # padded rows -> the barrier grid that fits
         self.runs = 0  # loops run (launches, when not replayed from a graph)
@@ -178,18 +186,20 @@ class OuroFusedLoop:
         t, h, inter = batch.num_rows, cfg.hidden_size, cfg.intermediate_size
         hq, hkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.hd
         bb = triton.next_power_of_2(t)
-        nqkv, kmax = (hq + 2 * hkv) * d, max(h, hq * d, inter)
+        nqkv, kmax = (hq + 2 * hkv) * d, max(h, hq * d)
         out = torch.empty_like(hidden)
         rem_out = torch.empty(t, dtype=torch.float32, device=dev)
         score = torch.empty(t, dtype=torch.float32, device=dev)
         rot = m.rope(batch.positions)
         cache, meta, gate = kv.looped, batch.attn, m.model.early_exit_gate
         block_g, block_d = triton.next_power_of_2(hq // hkv), triton.next_power_of_2(d)
+        block_n = max(16, min(64, 4096 // (block_g * block_d)))  # attention's KV tile
         gm = self.gemv_mode
 
         def launch(progs: int, spans: list[tuple[int, int]], warmup: bool = False):
             """Every span's launch on one workspace (warmup: compile only, return the kernel)."""
-            splits = num_splits(t, hkv, progs, meta.max_context_len)
+            splits = num_splits(t, hkv, progs, meta.max_context_len, block_n)
+            bs = triton.next_power_of_2(splits)
             sizes = [2 * bb * h, bb * h, bb * nqkv, bb * 2 * inter, splits * t * hq * d, splits * t * hq,
                      splits * t * hq, progs * bb * kmax, 1]
             ws = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
@@ -197,6 +207,9 @@ class OuroFusedLoop:
             count = count.view(torch.int32)
             if not warmup:
                 count.zero_()
+            times = None
+            if self.phase_times and not warmup:
+                times = self.last_phase_times = torch.full((n_phases, progs, 3), -1, dtype=torch.int64, device=dev)
             bn = {"qkv": row_tile(nqkv, progs, gm), "o": row_tile(h, progs, gm),
                   "gate_up": row_tile(2 * inter, progs, gm), "down": row_tile(h, progs, gm)}
             descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
@@ -204,16 +217,16 @@ class OuroFusedLoop:
                     meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
                     rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
                     st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
-                    xres, delta, qkv, gu, acc, m_part, l_part, scratch, bb * kmax, count,
+                    xres, delta, qkv, gu, acc, m_part, l_part, scratch, bb * kmax, count, times,
                     t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
             consts = dict(
                 L=cfg.num_hidden_layers, H=h, I=inter, HQ=hq, HKV=hkv, HEAD_D=d, PAGE=meta.block_size,
                 BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
-                BLOCK_N=max(16, min(64, 4096 // (block_g * block_d))), BLOCK_D=block_d,
-                BLOCK_S=triton.next_power_of_2(splits), BLOCK_I=min(triton.next_power_of_2(inter), 2048),
+                BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=bs,
+                BLOCK_HC=max(1, min(triton.next_power_of_2(hq), _MERGE_TILE // (bs * block_d))),
                 BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
                 PREFETCH=self.prefetch_kib > 0 and not INTERPRET, NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
-                INTERPRET=INTERPRET,
+                TIMING=times is not None, INTERPRET=INTERPRET,
                 num_warps=self.num_warps, num_stages=self.num_stages)
             if warmup:
                 return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
