@@ -20,12 +20,12 @@ def compile_cfg(BB=1, BK=512, nw=8, progs=132, prefetch=False, dtype="bf16"):
            "Slots": "i64", "Tables": "i32", "Cos": "fp32", "Sin": "fp32", "Cache": dtype, "Wqkv": dtype, "Wo": dtype,
            "Wgu": dtype, "Wdown": dtype, "Norms": dtype, "WNorm": dtype, "WGate": dtype, "BGate": dtype,
            "Xres": "fp32", "Delta": "fp32", "QKV": "fp32", "GU": "fp32", "Acc": "fp32", "MPart": "fp32",
-           "LPart": "fp32", "Scratch": "fp32", "Count": "i32"}
+           "LPart": "fp32", "Merged": "fp32", "Scratch": "fp32", "Count": "i32", "Times": "i64"}
     floats = {"qk_scale", "eps"}
     consts = dict(L=24, H=H, I=I, HQ=HQ, HKV=HKV, HEAD_D=D, PAGE=16, BLOCK_B=BB, BLOCK_H=2048, BLOCK_G=1,
-                  BLOCK_N=32, BLOCK_D=128, BLOCK_S=2, BLOCK_I=2048, BN_QKV=row_tile(nqkv, progs, MODE),
+                  BLOCK_N=32, BLOCK_D=128, BLOCK_S=8, BN_QKV=row_tile(nqkv, progs, MODE),
                   BN_O=row_tile(H, progs, MODE), BN_GU=row_tile(2 * I, progs, MODE), BN_DOWN=row_tile(H, progs, MODE), BK=BK,
-                  PHASES=PHASES_PER_LAYER, USE_BARRIER=True, PREFETCH=prefetch, NEXT_BYTES=65536, GEMV_MODE=MODE, INTERPRET=False)
+                  PHASES=PHASES_PER_LAYER, USE_BARRIER=True, PREFETCH=prefetch, NEXT_BYTES=65536, GEMV_MODE=MODE, TIMING=False, INTERPRET=False)
     bns = {"DWqkv": consts["BN_QKV"], "DWo": consts["BN_O"], "DWgu": consts["BN_GU"], "DWdown": consts["BN_DOWN"]}
     consts.update(STAGES=STAGES)
     if MODE < 2:

@@ -36,14 +36,6 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
     compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
 
 
-def test_split_merge_in_head_chunks(ouro, monkeypatch):
-    """A merge tile smaller than every head's partials: the merge walks the heads in chunks
-    (one head per step here; 40 programs give 4 splits)."""
-    monkeypatch.setattr(ouro_loop, "_MERGE_TILE", 64)
-    case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
-    compare(ouro, OuroFusedLoop(ouro, num_programs=40), case, atol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", [1, 2, 3])
 def test_gemv_modes(dtype, mode):

@@ -9,14 +9,15 @@ a grid barrier (an atomic counter) between them:
   per layer l   0 qkv:    x' = x + rms(δ)·w_post2[l-1]; h = rms(x')·w_in[l];   QKV = Wqkv[l] h
                 1 attn:   RoPE(q, k); the split owning the new position writes k, v to the
                           cache; flash-decoding partials per (row, kv head, split)
-                2 o:      merge the splits; δ = Wo[l] o
+                          (the last split of each (row, kv head) merges them)
+                2 o:      δ = Wo[l] o
                 3 gateup: x'' = x' + rms(δ)·w_in2[l]; h = rms(x'')·w_post[l]; GU = Wgu[l] h
                 4 down:   δ = Wdown[l] (silu(GU_gate)·GU_up), SwiGLU applied as the GEMV reads GU
   final         out = rms(x + rms(δ)·w_post2[L-1])·w_norm; the exit gate; Π(1-σ) and score
 
-Each GEMV phase's input vector (the norm, the merged attention) is built by every program
-that has tiles, into its own scratch row (a few KiB from L2, cheaper than another barrier);
-the down GEMV applies SwiGLU to GU as it reads it; program 0 also writes the residual,
+The qkv and gate/up GEMVs' input vector (the norm) is built by every program that has
+tiles, into its own scratch row (a few KiB from L2, cheaper than another barrier); the o
+GEMV reads the merged attention, the down GEMV applies SwiGLU to GU as it reads it; program 0 also writes the residual,
 ping-ponging between two buffers so no program reads a row being rewritten. Every program
 must be resident at once for the barrier to complete: the launcher uses at most one program
 per SM. Without USE_BARRIER the host launches one phase at a time (the CPU twin under
@@ -106,12 +107,12 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
           BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-          SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+          XSRC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
     grid-strided.
 
     MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile (the next K
-    chunk loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
+    chunk of W and of x loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
     (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16 rows cost
     the same and Triton's software pipeline keeps several K chunks in flight."""
     kk = tl.arange(0, BK)
@@ -128,7 +129,7 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
                 w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
                 x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :],
-                             SWIGLU).to(w.dtype)
+                             XSRC).to(w.dtype)
                 if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
@@ -140,14 +141,15 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
                 acc2 = tl.zeros([BN, BK], tl.float32)
                 w = tl.load(rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
+                x = _x_chunk(Xs, r, kk, K, (kk < K) & (kk * 0 + r < num_rows), XSRC)
                 for k0 in range(0, K, BK):
-                    k = k0 + kk
-                    k_next = k + BK
+                    k_next = k0 + BK + kk
                     w_next = tl.load(rows + k_next[None, :], mask=n_mask[:, None] & (k_next < K)[None, :],
                                      other=0.0, eviction_policy="evict_first")
-                    x = _x_chunk(Xs, r, k, K, (k < K) & (k * 0 + r < num_rows), SWIGLU)
+                    x_next = _x_chunk(Xs, r, k_next, K, (k_next < K) & (k_next * 0 + r < num_rows), XSRC)
                     acc2 += w.to(tl.float32) * x[None, :]
                     w = w_next
+                    x = x_next
                 acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
         tl.store(Y + b_idx[:, None] * N + n[None, :], acc, mask=(b_idx < num_rows)[:, None] & n_mask[None, :])
 
@@ -155,7 +157,7 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
               BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-              DOT: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+              DOT: tl.constexpr, XSRC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y[b, :N] = W[N, K] · x[b, :K] (x: _x_chunk of Xs), W's [BN, BK] chunks read by TMA bulk copies into a
     STAGES-deep shared-memory ring (Hopper): one flat loop over this program's (tile, K
     chunk) pairs, so the copies stream on across tile boundaries and ~STAGES chunks are
@@ -178,7 +180,7 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
         kc = i % nk
         k = kc * BK + kk
         w = Desc.load([row0 + t * BN, kc * BK])
-        x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :], SWIGLU)
+        x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :], XSRC)
         if DOT:
             if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(w.dtype).to(tl.float32)), acc, input_precision="ieee")
@@ -201,23 +203,26 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
             BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-            STAGES: tl.constexpr, SWIGLU: tl.constexpr, INTERPRET: tl.constexpr):
+            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr):
     """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
     if MODE >= 2:
         _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
-                  MODE == 3, SWIGLU, INTERPRET)
+                  MODE == 3, XSRC, INTERPRET)
     else:
-        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, SWIGLU, INTERPRET)
+        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, XSRC, INTERPRET)
 
 
 @triton.jit
 def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc, MPart, LPart,
-               num_rows, num_splits, qk_scale, pid, num_progs,
+               Tickets, Merged, layer, num_rows, num_splits, qk_scale, pid, num_progs,
                sc_blk, sc_kv, sc_off, sc_h, sc_d,
                HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Flash-decoding partials (unnormalised acc, max, sum in the log2 domain) of every
-    (row, kv head, split); the split holding a row's position first writes its k, v."""
+    (row, kv head, split); the split holding a row's position first writes its k, v. The
+    last split of a (row, kv head) to finish (a ticket per pair, counting on over layers)
+    merges them into Merged: once, where every o-phase program merging all of them for
+    itself read the same lines at once (L2 slice hot spot: 13-47 us a phase)."""
     G: tl.constexpr = HQ // HKV
     NQKV: tl.constexpr = (HQ + 2 * HKV) * HEAD_D
     d = tl.arange(0, BLOCK_D)
@@ -271,42 +276,48 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
         tl.store(MPart + part, m_i, mask=g_mask)
         tl.store(LPart + part, l_i, mask=g_mask)
         tl.store(Acc + part[:, None] * HEAD_D + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+        tl.debug_barrier()  # every thread's partials stored before the ticket releases them
+        ticket = tl.atomic_add(Tickets + row * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+        if ticket == (layer + 1) * num_splits - 1:
+            _merge(Acc, MPart, LPart, Merged, row, head, g_mask, d, d_mask, num_rows, num_splits, HQ, HEAD_D,
+                   BLOCK_S)
 
 
 @triton.jit
-def _merge(Acc, MPart, LPart, Scratch, num_rows, num_splits,
-           HQ: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HC: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    """Scratch[row, h·D + d] = the attention output of (row, head h), merged over splits:
-    BLOCK_HC heads × every split per step, so a row costs one or two L2 round trips (one
-    per head was most of the o phase)."""
+def _merge(Acc, MPart, LPart, Merged, row, head, g_mask, d, d_mask, num_rows, num_splits,
+           HQ: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merged[row, h·D + d] = the attention output of (row, h) for the heads h of one kv
+    head, merged over every split's partials."""
     sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
     sp_mask = sp < num_splits
-    d_mask = d < HEAD_D
-    for row in range(0, num_rows):
-        for h0 in tl.static_range(0, HQ, BLOCK_HC):
-            hh = h0 + tl.arange(0, BLOCK_HC)
-            part = (sp[:, None] * num_rows + row) * HQ + tl.minimum(hh, HQ - 1)[None, :]  # [S, HC]
-            m = tl.load(MPart + part, mask=sp_mask[:, None], other=float("-inf"), cache_modifier=".cg")
-            lsum = tl.load(LPart + part, mask=sp_mask[:, None], other=0.0, cache_modifier=".cg")
-            acc = tl.load(Acc + part[:, :, None] * HEAD_D + d[None, None, :],
-                          mask=sp_mask[:, None, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-            w = tl.exp2(m - tl.max(m, axis=0)[None, :])  # the split holding the row's position is finite
-            out = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(lsum * w, axis=0)[:, None]
-            tl.store(Scratch + (row * HQ + hh[:, None]) * HEAD_D + d[None, :], out,
-                     mask=(hh < HQ)[:, None] & d_mask[None, :])
-    tl.debug_barrier()
+    part = (sp[:, None] * num_rows + row) * HQ + head[None, :]  # [S, G]
+    mask = sp_mask[:, None] & g_mask[None, :]
+    m = tl.load(MPart + part, mask=mask, other=0.0, cache_modifier=".cg")
+    m = tl.where(sp_mask[:, None], m, float("-inf"))  # the split holding the row's position is finite
+    lsum = tl.load(LPart + part, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = tl.load(Acc + part[:, :, None] * HEAD_D + d[None, None, :], mask=mask[:, :, None] & d_mask[None, None, :],
+                  other=0.0, cache_modifier=".cg")
+    w = tl.exp2(m - tl.max(m, axis=0)[None, :])
+    den = tl.where(g_mask, tl.sum(lsum * w, axis=0), 1.0)
+    out = tl.sum(acc * w[:, :, None], axis=0) / den[:, None]
+    tl.store(Merged + row * HQ * HEAD_D + head[:, None] * HEAD_D + d[None, :], out,
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+X_OWN = tl.constexpr(0) # a GEMV's input: this program's scratch row
+X_SHARED = tl.constexpr(1) # ... a buffer other programs wrote (read past L1, which may hold an old layer's lines)
+X_SWIGLU = tl.constexpr(2) # ... silu(gate)·up of [gate | up] rows 2K wide, other programs'
 
 
 @triton.jit
-def _x_chunk(Xs, rows, k, K, mask, SWIGLU: tl.constexpr):
-    """A GEMV's input at (rows, k): Xs[rows, k], or with SWIGLU silu(gate)·up of the rows
-    Xs[rows] = [gate | up] (2K wide; written by other programs, so read past L1)."""
-    if SWIGLU:
+def _x_chunk(Xs, rows, k, K, mask, SRC: tl.constexpr):
+    """A GEMV's input at (rows, k) from the source SRC (X_OWN, X_SHARED, X_SWIGLU)."""
+    if SRC == X_SWIGLU:
         gate = tl.load(Xs + rows * 2 * K + k, mask=mask, other=0.0, cache_modifier=".cg")
         up = tl.load(Xs + rows * 2 * K + K + k, mask=mask, other=0.0, cache_modifier=".cg")
         return gate * tl.sigmoid(gate) * up
+    elif SRC == X_SHARED:
+        return tl.load(Xs + rows * K + k, mask=mask, other=0.0, cache_modifier=".cg")
     else:
         return tl.load(Xs + rows * K + k, mask=mask, other=0.0)
 
@@ -336,12 +347,12 @@ def ouro_loop_kernel(
         Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
         Cache, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
         Wqkv, Wo, Wgu, Wdown, DWqkv, DWo, DWgu, DWdown, Norms, WNorm, WGate, BGate,
-        Xres, Delta, QKV, GU, Acc, MPart, LPart, Scratch, s_scr, Count, Times,
+        Xres, Delta, QKV, GU, Acc, MPart, LPart, Merged, Scratch, s_scr, Count, Times,
         num_rows, num_splits, qk_scale, eps, phase_lo, phase_hi,
         L: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
         HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HC: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
         NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr,
@@ -387,20 +398,19 @@ def ouro_loop_kernel(
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
-                       Acc, MPart, LPart, num_rows, num_splits, qk_scale, pid, num_progs,
+                       Acc, MPart, LPart, Count + 1, Merged, layer, num_rows, num_splits, qk_scale, pid, num_progs,
                        sc_blk, sc_kv, sc_off, sc_h, sc_d, HQ, HKV, HEAD_D, PAGE,
-                       BLOCK_G, BLOCK_N, BLOCK_D)
+                       BLOCK_G, BLOCK_N, BLOCK_D, BLOCK_S)
             _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
-                _merge(Acc, MPart, LPart, scratch, num_rows, num_splits, HQ, HEAD_D, BLOCK_S, BLOCK_HC, BLOCK_D)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
-                _linear(Wo, DWo, lw, H, NQ, scratch, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                _linear(Wo, DWo, lw, H, NQ, Merged, Delta, num_rows, pid, num_progs,
+                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
@@ -408,13 +418,13 @@ def ouro_loop_kernel(
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, False, INTERPRET)
+                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wdown, DWdown, lw, H, I, GU, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, True, INTERPRET)
+                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         if USE_BARRIER:
             if ph + 1 < phase_hi:

@@ -27,7 +27,6 @@ from loopserve.model.paged_kv import PagedKVCache
 # ring/FMA, 3 TMA ring/tensor cores; tensor cores need >= 16)
 _ROW_TILES = {0: (16, 8, 4), 1: (32, 16), 2: (16, 8), 3: (32, 16)}
 _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
-_MERGE_TILE = 8192  # partial-output elements (splits × heads × head_dim) the split merge reads per step
 
 
 def row_tile(n: int, programs: int, mode: int = 0) -> int:
@@ -186,7 +185,7 @@ class OuroFusedLoop:
         t, h, inter = batch.num_rows, cfg.hidden_size, cfg.intermediate_size
         hq, hkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.hd
         bb = triton.next_power_of_2(t)
-        nqkv, kmax = (hq + 2 * hkv) * d, max(h, hq * d)
+        nqkv = (hq + 2 * hkv) * d
         out = torch.empty_like(hidden)
         rem_out = torch.empty(t, dtype=torch.float32, device=dev)
         score = torch.empty(t, dtype=torch.float32, device=dev)
@@ -201,10 +200,10 @@ class OuroFusedLoop:
             splits = num_splits(t, hkv, progs, meta.max_context_len, block_n)
             bs = triton.next_power_of_2(splits)
             sizes = [2 * bb * h, bb * h, bb * nqkv, bb * 2 * inter, splits * t * hq * d, splits * t * hq,
-                     splits * t * hq, progs * bb * kmax, 1]
+                     splits * t * hq, bb * hq * d, progs * bb * h, 1 + t * hkv]
             ws = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
-            xres, delta, qkv, gu, acc, m_part, l_part, scratch, count = ws.split(sizes)
-            count = count.view(torch.int32)
+            xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, count = ws.split(sizes)
+            count = count.view(torch.int32)  # the grid barrier's counter, then the merge tickets
             if not warmup:
                 count.zero_()
             times = None
@@ -217,13 +216,12 @@ class OuroFusedLoop:
                     meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
                     rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
                     st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
-                    xres, delta, qkv, gu, acc, m_part, l_part, scratch, bb * kmax, count, times,
+                    xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, bb * h, count, times,
                     t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
             consts = dict(
                 L=cfg.num_hidden_layers, H=h, I=inter, HQ=hq, HKV=hkv, HEAD_D=d, PAGE=meta.block_size,
                 BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
                 BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=bs,
-                BLOCK_HC=max(1, min(triton.next_power_of_2(hq), _MERGE_TILE // (bs * block_d))),
                 BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
                 PREFETCH=self.prefetch_kib > 0 and not INTERPRET, NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
                 TIMING=times is not None, INTERPRET=INTERPRET,
