@@ -37,14 +37,15 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_gemv_modes(dtype, mode):
-    """GEMV modes 1 (tl.dot, rows padded to 16; x rounded to the weights' dtype), 2 and 3
-    (TMA-ring chunks into FMAs / tl.dot). block_k 32 gives every K several chunks, so the
+    """GEMV modes 0 (register chunks into FMAs), 1 (tl.dot, rows padded to 16; x rounded to
+    the weights' dtype), 2 and 3 (TMA-ring chunks into FMAs / tl.dot). block_k 32 gives
+    every K several chunks, so the chunk loops prefetch past the end and modes 2 and 3's
     flat (tile, chunk) loop crosses tile boundaries; 3 programs own unequal tile counts."""
     m = resolve_model("tiny-ouro", dtype=dtype, seed=0)
     case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=dtype)
-    fused = OuroFusedLoop(m, num_programs=3, gemv_mode=mode, block_k=32 if mode >= 2 else 512)
+    fused = OuroFusedLoop(m, num_programs=3, gemv_mode=mode, block_k=512 if mode == 1 else 32)
     compare(m, fused, case, atol=1e-5 if dtype == torch.float32 else 5e-2)
 
 
