@@ -43,9 +43,10 @@ def test_queued_handoffs_are_renewed_while_decode_is_short_of_blocks():
     lease = 0.6
     cfg = load_cluster_config({
         "launcher": "process", "engine": ENGINE,
-        "decode": {"engine": {"num_blocks": 80}},  # one request (72 blocks) at a time
+        "decode": {"engine": {"num_blocks": 200}},  # one request (4 loops x 40 blocks) at a time
         "transfer": {"lease_s": lease, "heartbeat_s": 0.1, "read_timeout_s": 20}})
-    params = SamplingParams(max_tokens=60, ignore_eos=True, max_loops=4, exit_threshold=1.0)
+    # long enough that the last handoff waits out two others' decodes, > 2 leases on a fast machine
+    params = SamplingParams(max_tokens=150, ignore_eos=True, max_loops=4, exit_threshold=1.0)
     items = [WorkItem(f"q{i}", [10 + i] * 10, params) for i in range(3)]
     with Cluster(cfg) as cluster:
         results = asyncio.run(run_workload(cluster.router, items))
