@@ -72,7 +72,7 @@ def weight_bytes_per_token(model) -> int:
 
 
 DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off"), "graphs": dict(fused_loop="off"),
-                "fused": dict(fused_loop="on")}
+                "fused": dict(fused_loop="on", fused_loop_rows=8)}
 
 
 def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256)) -> dict:
@@ -82,7 +82,7 @@ def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 
     bound = weight_bytes_per_token(model) / (base["copy_GBps"] * 1e9)
     for batch in batches:
         for mode, kw in DECODE_MODES.items():
-            if mode == "fused" and batch > EngineConfig().fused_loop_rows:
+            if mode == "fused" and batch > DECODE_MODES["fused"]["fused_loop_rows"]:
                 continue
             e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288, **kw)
             rng = random.Random(0)

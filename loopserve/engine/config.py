@@ -41,10 +41,10 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs
     fuse_elementwise: bool = True  # on CUDA: torch.compile norms, RoPE, SwiGLU (one kernel each)
     # Ouro decode batches of up to fused_loop_rows rows: each loop is one persistent kernel
-    # (auto: on CUDA; on: also on CPU under TRITON_INTERPRET=1, the CPU twin). Off by default:
-    # on the H200 it is still slower than the per-layer kernels (docs/benchmarks.md)
-    fused_loop: Literal["auto", "on", "off"] = "off"
-    fused_loop_rows: int = Field(8, ge=1, le=64)
+    # (auto: on CUDA; on: also on CPU under TRITON_INTERPRET=1, the CPU twin). One row by
+    # default: on the H200 it beats the per-layer kernels at batch 1 only (docs/benchmarks.md)
+    fused_loop: Literal["auto", "on", "off"] = "auto"
+    fused_loop_rows: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

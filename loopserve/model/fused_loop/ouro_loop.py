@@ -66,7 +66,7 @@ class OuroFusedLoop:
     interpreter needs that: its programs run one after another)."""
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
-                 use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 8,
+                 use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
                  programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
                  num_stages: int = 3, phase_times: bool = False) -> None:
         cfg = model.config
