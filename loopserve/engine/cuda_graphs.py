@@ -10,21 +10,29 @@ The context bucket (max context rounded up to a power of two) fixes the attentio
 count at capture; splits beyond what a shorter context needs are empty and merge to
 nothing. `capture=False` runs the same padded static-buffer path eagerly: the CPU twin CI
 tests, since capture needs CUDA (and the Triton backend: no host loops over segments).
+
+The Operation passed in gathers its rows' loop state from the engine's slab and scatters the
+new state back itself (the slab rows travel in the batch), so a replay is the batch's one
+copy and one launch: at batch 1 the separate gather, scatter and copies in and out of static
+state buffers were ~10 launches and ~150 µs of host time per Operation, and the host time
+between a token's sample and its first loop is GPU idle time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from loopserve.model.batch import HostBatch, LoopState, ModelBatch
+from loopserve.engine.state_store import SINK, ZERO
+from loopserve.model.batch import HostBatch, ModelBatch
 from loopserve.scheduler import Operation
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MIN_CONTEXT_BUCKET = 128
 
-Forward = Callable[[ModelBatch, LoopState | None], object]
+Forward = Callable[[ModelBatch], object]  # the Operation, its state gathered and scattered by slab rows
 
 
 def _bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -32,18 +40,16 @@ def _bucket(n: int, sizes: tuple[int, ...]) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int, state_dim: int,
-                 dtype: torch.dtype, device: torch.device, capture: bool) -> None:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, capture: bool) -> None:
         self.sizes = tuple(s for s in SIZES if s < max_batch) + (min(max_batch, SIZES[-1]),)
         self.block_size = block_size
         self.width = max_blocks_per_seq
         self.capture = capture
         self.device = device
-        n = self.sizes[-1]
-        self.hidden = torch.zeros(n, state_dim, dtype=dtype, device=device)
-        self.aux = torch.ones(n, dtype=torch.float32, device=device)
         self._inputs: dict[int, torch.Tensor] = {}  # padded size -> its packed static batch
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._slab_version: int | None = None  # the state slab the graphs were captured on
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.runs = 0  # batches served through the padded path (replays when capturing)
 
@@ -54,41 +60,43 @@ class DecodeGraphs:
                 and (hb.logits_indices is None or len(hb.logits_indices) == t)
                 and hb.width <= self.width)
 
-    def run(self, hb: HostBatch, state: LoopState | None, forward: Forward):
-        """forward(batch, state) for a decode-shaped batch: its padded fields go to the static
-        buffers in one host-to-device copy, then the graph replays."""
+    def run(self, hb: HostBatch, forward: Forward, slab_version: int):
+        """forward(batch) for a decode-shaped batch: its padded fields go to the static buffer
+        in one host-to-device copy, then the graph replays (captured on first use, and again
+        once the state slab has moved: `slab_version`)."""
         t = hb.num_rows
         p = _bucket(t, self.sizes)
         ctx = max(MIN_CONTEXT_BUCKET, 1 << max(max(hb.context_lens) - 1, 0).bit_length())
-        padded = hb.padded(p, self.width)
+        padded = hb.padded(p, self.width, ZERO, SINK)
         if p not in self._inputs:
             self._inputs[p] = torch.empty(padded.nbytes, dtype=torch.uint8, device=self.device)
-        smb = _decode_view(padded.to(self.device, out=self._inputs[p], max_context_len=ctx))
-        sstate = None
-        if state is not None:
-            self.hidden[:t].copy_(state.hidden)
-            self.aux[:t].copy_(state.aux)
-            sstate = LoopState(self.hidden[:p], self.aux[:p])
-        if not self.capture:
-            out = forward(smb, sstate)
-        else:
-            key = (hb.operation, p, ctx)
-            if key not in self._graphs:
-                self._graphs[key] = self._record(forward, smb, sstate)
-            graph, out = self._graphs[key]
-            graph.replay()
+        buf = self._inputs[p]
         self.runs += 1
+        if not self.capture:
+            return _rows(forward(_decode_view(padded.to(self.device, out=buf, max_context_len=ctx))), t)
+        if slab_version != self._slab_version:
+            self._graphs.clear()
+            self._slab_version = slab_version
+        key = (hb.operation, p, ctx)
+        if key not in self._graphs:
+            # the warm-up runs for real: its state goes to SINK, so the replay below starts
+            # from the same state (its K/V writes are the replay's)
+            sunk = dataclasses.replace(padded, state_out=[SINK] * p)
+            self._graphs[key] = self._record(forward, _decode_view(sunk.to(self.device, out=buf, max_context_len=ctx)))
+        padded.copy_to(buf)
+        graph, out = self._graphs[key]
+        graph.replay()
         return _rows(out, t)
 
-    def _record(self, forward: Forward, mb: ModelBatch, state: LoopState | None):
+    def _record(self, forward: Forward, mb: ModelBatch):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compiles kernels; writes the same K/V as replay
-            forward(mb, state)
+        with torch.cuda.stream(side):  # warm-up: compiles kernels
+            forward(mb)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = forward(mb, state)
+            out = forward(mb)
         return graph, out
 
 
@@ -102,11 +110,7 @@ def _decode_view(mb: ModelBatch) -> ModelBatch:
     return mb
 
 
-def _rows(out, t: int):
-    """The first t rows of every output tensor, copied out of the graph's memory."""
-    if isinstance(out, torch.Tensor):
-        return out[:t].clone()
-    if isinstance(out, LoopState):
-        return LoopState(out.hidden[:t].clone(), out.aux[:t].clone())
-    return tuple(_rows(o, t) for o in out)
+def _rows(out: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """The first t rows of the output (scores, logits), copied out of the graph's memory."""
+    return None if out is None else out[:t].clone()
 

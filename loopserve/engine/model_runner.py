@@ -12,7 +12,7 @@ from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
-from loopserve.model.batch import HostBatch, LoopState, device_tensor, host_batch
+from loopserve.model.batch import HostBatch, LoopState, ModelBatch, device_tensor, host_batch
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import BatchItem, Operation, ScheduledBatch
@@ -33,21 +33,29 @@ class ModelRunner:
     def use_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: bool) -> None:
         """Run decode-shaped batches through DecodeGraphs (capture=False: the padded path,
         eagerly, e.g. on CPU)."""
-        self.graphs = DecodeGraphs(max_batch, max_blocks_per_seq, self.layout.block_size,
-                                   self.model.state_dim, self.states.dtype, self.device, capture)
+        self.graphs = DecodeGraphs(max_batch, max_blocks_per_seq, self.layout.block_size, self.device, capture)
 
-    def _forward(self, hb: HostBatch, state: LoopState | None):
-        """The batch's Operation on the model, replayed from a graph where one applies."""
-        op = hb.operation
-        if op is Operation.PRELUDE:
-            fn = lambda b, _s: self.model.prelude(b, self.kv)  # noqa: E731
-        elif op is Operation.RECURRENT:
-            fn = lambda b, s: self.model.recurrent(b, s, self.kv)  # noqa: E731
-        else:
-            fn = lambda b, s: self.model.coda(b, s, self.kv)  # noqa: E731
+    def _forward(self, hb: HostBatch) -> torch.Tensor | None:
+        """The batch's Operation, its rows' loop state read from and written back to the slab
+        (rows `hb.state_in` / `state_out`), replayed from a graph where one applies. Returns
+        RECURRENT's exit scores or CODA's logits."""
+        fn = {Operation.PRELUDE: self._prelude_op, Operation.RECURRENT: self._recurrent_op,
+              Operation.CODA: self._coda_op}[hb.operation]
         if self.graphs is not None and self.graphs.applies(hb):
-            return self.graphs.run(hb, state, fn)
-        return fn(hb.to(self.device), state)
+            return self.graphs.run(hb, fn, self.states.version)
+        return fn(hb.to(self.device))
+
+    def _prelude_op(self, mb: ModelBatch) -> None:
+        state = self.model.prelude(mb, self.kv)
+        self.states.put(mb.state_out, state.hidden, state.aux)
+
+    def _recurrent_op(self, mb: ModelBatch) -> torch.Tensor:
+        state, score = self.model.recurrent(mb, LoopState(*self.states.get(mb.state_in)), self.kv)
+        self.states.put(mb.state_out, state.hidden, state.aux)
+        return score
+
+    def _coda_op(self, mb: ModelBatch) -> torch.Tensor:
+        return self.model.coda(mb, LoopState(*self.states.get(mb.state_in)), self.kv)
 
     # ------------------------------------------------------------------ KV housekeeping
     def apply_kv_moves(self, swap_out: tuple, new_blocks: tuple[list[int], list[int]],
@@ -78,6 +86,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ batch building
     def _batch(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                with_tokens: bool = False) -> HostBatch:
+        """The batch on the host, with its rows' state slab rows (fresh ones for a PRELUDE)."""
         op, items = batch.operation, batch.items
         if op is Operation.RECURRENT:
             plane = self.model.plane_of_depth
@@ -97,26 +106,22 @@ class ModelRunner:
                 want = set(item.logits_positions)
                 logits_indices += [row + j for j, p in enumerate(item.positions) if p in want]
                 row += len(item.positions)
+        rows = self.states.rows([(i.request_id, list(i.positions)) for i in items], assign=op is Operation.PRELUDE)
         return host_batch(op, [i.positions for i in items], seg_blocks, self.layout.block_size,
-                          [i.depth for i in items], token_ids=token_ids, seeds=seeds, logits_indices=logits_indices)
-
-    def _state_rows(self, batch: ScheduledBatch, assign: bool = False) -> torch.Tensor:
-        return self.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign)
+                          [i.depth for i in items], token_ids=token_ids, seeds=seeds, logits_indices=logits_indices,
+                          state_in=rows, state_out=rows)
 
     # ------------------------------------------------------------------ operations
     @torch.inference_mode()
     def prelude(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable]) -> None:
-        state = self._forward(self._batch(batch, reqs, tables, with_tokens=True), None)
-        self.states.put(self._state_rows(batch, assign=True), state.hidden, state.aux)
+        self._forward(self._batch(batch, reqs, tables, with_tokens=True))
 
     @torch.inference_mode()
     def recurrent(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
                   draft_loops: int) -> dict[str, tuple[int, ...]]:
         """One loop for every row; returns, per request, the positions that made their final exit."""
         hb = self._batch(batch, reqs, tables)
-        rows = self._state_rows(batch)
-        state, score = self._forward(hb, LoopState(*self.states.get(rows)))
-        self.states.put(rows, state.hidden, state.aux)
+        score = self._forward(hb)
         exits = self._exits(batch, reqs, hb, score)
         exited: dict[str, tuple[int, ...]] = {}
         src, dst, row = [], [], 0
@@ -162,7 +167,7 @@ class ModelRunner:
     def coda(self, batch: ScheduledBatch, reqs: dict[str, Request],
              tables: dict[str, BlockTable]) -> dict[str, torch.Tensor | None]:
         """Coda for every row (writes coda KV); logits of each item's logits_positions."""
-        logits = self._forward(self._batch(batch, reqs, tables), LoopState(*self.states.get(self._state_rows(batch))))
+        logits = self._forward(self._batch(batch, reqs, tables))
         out: dict[str, torch.Tensor | None] = {}
         row = 0
         for item in batch.items:

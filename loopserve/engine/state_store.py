@@ -5,37 +5,45 @@ A request has at most a prompt chunk or a speculation round of rows in flight; e
 slab (a free list of slab rows), so a batch's state moves with one gather and one scatter
 whatever the number of requests in it: per-request tensors cost two small kernels and a
 host-to-device index copy per request per Operation, which dominated large decode batches.
+
+Two slab rows are never handed out: ZERO (hidden 0, aux 1) is what padding rows of a CUDA-graph
+batch gather, SINK is where they scatter, so a graph can gather and scatter the state itself
+with one static index per row. Captured graphs hold the slab's address: `version` changes when
+the slab grows and they must be captured again.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loopserve.model.batch import device_tensor
+
+ZERO, SINK = 0, 1  # reserved slab rows (see the module docstring)
 
 
 class StateStore:
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
         self.width, self.dtype, self.device = width, dtype, device
+        capacity += SINK + 1
         self.hidden = torch.empty(capacity, width, dtype=dtype, device=device)
         self.aux = torch.empty(capacity, dtype=torch.float32, device=device)
-        self._free = list(range(capacity - 1, -1, -1))
+        self.hidden[ZERO].zero_()
+        self.aux[ZERO] = 1.0
+        self._free = list(range(capacity - 1, SINK, -1))
         self._rows: dict[str, dict[int, int]] = {}  # request -> position -> slab row
-
-    @property
-    def capacity(self) -> int:
-        return self.hidden.shape[0]
+        self.version = 0  # bumped when the slab moves (grows)
 
     def _grow(self, need: int) -> None:
-        old = self.capacity
+        old = self.hidden.shape[0]
         new = max(2 * old, old + need)
         self.hidden = torch.cat([self.hidden, self.hidden.new_empty(new - old, self.width)])
         self.aux = torch.cat([self.aux, self.aux.new_empty(new - old)])
         self._free[:0] = range(new - 1, old - 1, -1)  # popped from the end: low rows first
+        self.version += 1
 
-    def rows(self, items: list[tuple[str, list[int]]], assign: bool = False) -> torch.Tensor:
-        """Slab rows (device index) of every (request, positions) in order; `assign` gives
-        positions that have none a fresh row (a PRELUDE's new rows)."""
+    def rows(self, items: list[tuple[str, list[int]]], assign: bool = False) -> list[int]:
+        """Slab rows of every (request, positions) in order, a host list that travels in the
+        batch's one host-to-device copy; `assign` gives positions that have none a fresh row
+        (a PRELUDE's new rows)."""
         out: list[int] = []
         for rid, positions in items:
             mine = self._rows.setdefault(rid, {}) if assign else self._rows[rid]
@@ -46,7 +54,7 @@ class StateStore:
                 for p in fresh:
                     mine[p] = self._free.pop()
             out += map(mine.__getitem__, positions)
-        return device_tensor(out, torch.int64, self.device)
+        return out
 
     def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hidden.index_select(0, rows), self.aux.index_select(0, rows)
@@ -64,3 +72,8 @@ class StateStore:
     @property
     def rows_in_use(self) -> int:
         return self.capacity - len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Rows that can be handed out (the reserved ones not counted)."""
+        return self.hidden.shape[0] - SINK - 1

@@ -59,6 +59,9 @@ class ModelBatch:
     token_ids: torch.Tensor | None = None  # [T] (PRELUDE)
     seeds: torch.Tensor | None = None  # [T] int64 per-row request seed (Huginn initial state)
     logits_indices: torch.Tensor | None = None  # [n] rows whose logits CODA returns
+    # [T] engine slab rows each row's loop state is read from / written to (the model ignores them)
+    state_in: torch.Tensor | None = None
+    state_out: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -71,6 +74,9 @@ class LoopState:
 
     hidden: torch.Tensor  # [T, S]
     aux: torch.Tensor  # [T] fp32
+
+
+_OPTIONAL64 = ("token_ids", "seeds", "logits_indices", "state_in", "state_out")  # HostBatch's optional fields
 
 
 @dataclass
@@ -95,6 +101,8 @@ class HostBatch:
     token_ids: list[int] | None = None
     seeds: list[int] | None = None
     logits_indices: list[int] | None = None
+    state_in: list[int] | None = None
+    state_out: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -104,11 +112,12 @@ class HostBatch:
     def num_segs(self) -> int:
         return len(self.context_lens)
 
-    def padded(self, rows: int, width: int) -> HostBatch:
+    def padded(self, rows: int, width: int, state_in_pad: int, state_out_pad: int) -> HostBatch:
         """A decode-shaped batch (one row per segment) padded to `rows` rows and a table
         `width`, every optional field present: the CUDA-graph buffers' fixed layout. Padding
         rows are harmless: position 0, slot -1 (no K/V write), a table of block 0 (read only),
-        the first row's depth, and their outputs are dropped."""
+        the first row's depth, state read from `state_in_pad` and written to `state_out_pad`
+        (rows no request owns), and their outputs are dropped."""
         t, pad = self.num_rows, rows - self.num_rows
         table = []
         for s in range(t):
@@ -117,41 +126,50 @@ class HostBatch:
             self.operation, list(range(rows + 1)), self.positions + [0] * pad, self.slot_mapping + [-1] * pad,
             self.depths + self.depths[:1] * pad, self.context_lens + [1] * pad, table + [0] * (pad * width),
             width, self.block_size, self.seg_num_blocks + [1] * pad,
-            (self.token_ids or [0] * t) + [0] * pad, (self.seeds or [0] * t) + [0] * pad, list(range(rows)))
+            (self.token_ids or [0] * t) + [0] * pad, (self.seeds or [0] * t) + [0] * pad, list(range(rows)),
+            (self.state_in or [state_in_pad] * t) + [state_in_pad] * pad,
+            (self.state_out or [state_out_pad] * t) + [state_out_pad] * pad)
 
     @property
     def nbytes(self) -> int:
         """Size of `pack()`'s bytes."""
         n64 = len(self.seg_starts) + 3 * self.num_rows + sum(
-            len(f) for f in (self.token_ids, self.seeds, self.logits_indices) if f is not None)
+            len(getattr(self, n)) for n in _OPTIONAL64 if getattr(self, n) is not None)
         return 8 * n64 + 4 * (self.num_segs + len(self.block_tables))
 
     def pack(self) -> tuple[torch.Tensor, list[tuple[str, int, torch.dtype]]]:
         """(bytes on the host, [(field, length, dtype)]): int64 fields first, then int32, so
         every field's view of the bytes is aligned."""
         names64 = ["seg_starts", "positions", "slot_mapping", "depths"] + [
-            n for n in ("token_ids", "seeds", "logits_indices") if getattr(self, n) is not None]
+            n for n in _OPTIONAL64 if getattr(self, n) is not None]
         v64 = array("q")
         for n in names64:
             v64.extend(getattr(self, n))
         v32 = array("i", self.context_lens)
         v32.extend(self.block_tables)
-        host = torch.cat([torch.frombuffer(v64, dtype=torch.uint8),
-                          torch.frombuffer(v32, dtype=torch.uint8) if v32 else torch.empty(0, dtype=torch.uint8)])
+        raw = bytearray(v64)
+        raw += v32
+        host = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         fields = [(n, len(getattr(self, n)), torch.int64) for n in names64]
         fields += [("context_lens", self.num_segs, torch.int32), ("block_tables", len(self.block_tables), torch.int32)]
         return host, fields
+
+    def copy_to(self, out: torch.Tensor) -> list[tuple[str, int, torch.dtype]]:
+        """pack()'s bytes into `out` (exactly nbytes; from pinned memory, asynchronously, on
+        CUDA): all a replayed graph needs, no views built. Returns pack()'s fields."""
+        host, fields = self.pack()
+        out.copy_(host.pin_memory() if out.device.type == "cuda" else host, non_blocking=True)
+        return fields
 
     def to(self, device: torch.device, out: torch.Tensor | None = None,
            max_context_len: int | None = None) -> ModelBatch:
         """The ModelBatch on `device` from one copy (into `out` if given: a buffer of exactly
         the packed size). `max_context_len` overrides the launch bound (graph buckets)."""
-        host, fields = self.pack()
         if out is None:
+            host, fields = self.pack()
             dev = _to_device(host, device)
         else:
-            out.copy_(host.pin_memory() if out.device.type == "cuda" else host, non_blocking=True)
-            dev = out
+            fields, dev = self.copy_to(out), out
         views, off = {}, 0
         for name, n, dtype in fields:
             size = n * dtype.itemsize
@@ -166,8 +184,7 @@ class HostBatch:
             seg_bounds=list(zip(starts[:-1], starts[1:])), seg_num_blocks=self.seg_num_blocks,
             seg_context_lens=self.context_lens)
         return ModelBatch(self.operation, attn.positions, views["depths"], attn,
-                          token_ids=views.get("token_ids"), seeds=views.get("seeds"),
-                          logits_indices=views.get("logits_indices"))
+                          **{n: views.get(n) for n in _OPTIONAL64})
 
 
 def _slots(positions: Sequence[int], blocks: list[int], block_size: int) -> list[int]:

@@ -31,8 +31,8 @@ def test_packed_batch_fields_and_graph_padding():
     assert mb.token_ids.tolist() == [7, 8, 9] and mb.seeds.tolist() == [1, 1, 2] and mb.logits_indices is None
     assert mb.attn.seg_bounds == [(0, 2), (2, 3)] and mb.attn.max_context_len == 18
 
-    dec = host_batch(Operation.RECURRENT, [(3,), (17,)], [[5], [2, 9]], 16, [2, 3])
-    pad = dec.padded(4, 3)  # the CUDA-graph layout: every field, padding rows inert
+    dec = host_batch(Operation.RECURRENT, [(3,), (17,)], [[5], [2, 9]], 16, [2, 3], state_in=[7, 4], state_out=[7, 4])
+    pad = dec.padded(4, 3, 0, 1)  # the CUDA-graph layout: every field, padding rows inert
     assert pad.nbytes == pad.pack()[0].numel() and hb.nbytes == hb.pack()[0].numel()
     buf = torch.full((pad.nbytes,), 255, dtype=torch.uint8)
     sm = pad.to(torch.device("cpu"), out=buf, max_context_len=128)
@@ -41,6 +41,7 @@ def test_packed_batch_fields_and_graph_padding():
     assert sm.depths.tolist() == [2, 3, 2, 2] and sm.positions.tolist() == [3, 17, 0, 0]
     assert sm.attn.context_lens.tolist() == [4, 18, 1, 1] and sm.attn.seg_starts.tolist() == [0, 1, 2, 3, 4]
     assert sm.logits_indices.tolist() == [0, 1, 2, 3] and sm.token_ids.tolist() == [0] * 4
+    assert sm.state_in.tolist() == [7, 4, 0, 0] and sm.state_out.tolist() == [7, 4, 1, 1]
     assert sm.attn.max_context_len == 128 and sm.attn.positions.data_ptr() == buf.data_ptr() + 5 * 8
 
 

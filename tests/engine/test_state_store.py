@@ -3,7 +3,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from loopserve.engine.state_store import StateStore
+from loopserve.engine.state_store import SINK, ZERO, StateStore
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 
 
@@ -26,21 +26,22 @@ def test_slab_keeps_rows_across_growth_and_reuses_dropped_ones():
     want = {}
     for r in range(6):  # 6 requests x 3 rows: grows 2 -> 4 -> 8 -> 16 -> 32 rows
         rid = f"r{r}"
-        rows = s.rows([(rid, [0, 1, 2])], assign=True)
+        rows = torch.tensor(s.rows([(rid, [0, 1, 2])], assign=True))
         want[rid] = torch.randn(3, 4)
         s.put(rows, want[rid], torch.full((3,), float(r)))
     assert s.rows_in_use == 18 and s.capacity >= 18
-    rows = s.rows([("r5", [2, 0]), ("r0", [1])])
+    rows = torch.tensor(s.rows([("r5", [2, 0]), ("r0", [1])]))
     h, a = s.get(rows)
     torch.testing.assert_close(h, torch.stack([want["r5"][2], want["r5"][0], want["r0"][1]]))
     assert a.tolist() == [5.0, 5.0, 0.0]
     # re-assigning known positions keeps their rows; only new positions take rows
-    before = s.rows([("r1", [0, 1, 2])]).tolist()
-    assert s.rows([("r1", [1, 2, 3])], assign=True).tolist()[:2] == before[1:]
+    before = s.rows([("r1", [0, 1, 2])])
+    assert s.rows([("r1", [1, 2, 3])], assign=True)[:2] == before[1:]
     assert s.rows_in_use == 19
     cap = s.capacity
     for rid in want:
         s.drop(rid)
     assert s.rows_in_use == 0 and "r1" not in s
     s.rows([("x", list(range(cap)))], assign=True)  # every row is free again: no growth
-    assert s.capacity == cap and len(set(s.rows([("x", list(range(cap)))]).tolist())) == cap
+    assert s.capacity == cap and len(set(s.rows([("x", list(range(cap)))]))) == cap
+    assert not {ZERO, SINK} & set(s.rows([("x", list(range(cap)))]))  # the reserved rows stay out

@@ -21,7 +21,7 @@ def make_case(model, positions, depths, block_size, dtype, seed=0, pad_rows=0, d
     kv.looped.copy_(torch.randn(kv.looped.shape, generator=g))
     hb = host_batch(Operation.RECURRENT, [[p] for p in positions], tables, block_size, depths)
     if pad_rows:
-        hb = hb.padded(len(positions) + pad_rows, hb.width)
+        hb = hb.padded(len(positions) + pad_rows, hb.width, 0, 0)  # state rows: unused here
     mb = hb.to(torch.device(device))
     t = mb.num_rows
     state = LoopState(torch.randn(t, model.state_dim, generator=g).to(device, dtype),
