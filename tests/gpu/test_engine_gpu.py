@@ -41,12 +41,38 @@ def test_cuda_engine_matches_dense_reference_fp32(family, fused):
     if fused == "on":
         assert model.fused_loop.runs > 0
         model.use_fused_loop(0)
+    _check_dense(model, work, outs)
+
+
+def _check_dense(model, work, outs) -> None:
     for rid, prompt, params in work:
         d = model.default_loop_params
         p = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, model.max_loops)
         ref, _ = dense_greedy_generate(model, prompt, p.max_tokens, p.min_loops, p.max_loops,
                                        p.exit_threshold, p.seed)
         assert outs[rid] == ref, rid
+
+
+def test_decode_graphs_follow_a_growing_state_slab():
+    """Graphs gather and scatter the loop state in the slab itself: once the slab grows (new
+    memory) after a first wave captured them, they are captured again. The old slab is
+    poisoned with NaN, so a graph still reading it would emit wrong tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = resolve_model("tiny-ouro", dtype=torch.float32, device="cuda", seed=0)
+    e = _engine("tiny-ouro", model, "float32", fused_loop="off")
+    first = workload(seed=1, n=3)
+    _check_dense(model, first, _run(e, first))
+    states, runs = e.runner.states, e.runner.graphs.runs
+    assert runs > 0
+    old, version = (states.hidden, states.aux), states.version
+    states.rows([("grow", list(range(states.capacity + 1)))], assign=True)
+    states.drop("grow")
+    assert states.version > version
+    for t in old:
+        t.fill_(float("nan"))
+    second = [(f"second-{rid}", p, s) for rid, p, s in workload(seed=2, n=3)]
+    _check_dense(model, second, _run(e, second))
+    assert e.runner.graphs.runs > runs
 
 
 # Of the reference's top-minus-median logprob spread (tiny-huginn's logits span ~24 nats,
