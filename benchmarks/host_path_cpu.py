@@ -2,8 +2,8 @@
 
 On the H200 an 8k-token prefill is host-bound: the GPU has nothing to run while the host
 builds the PRELUDE and the first RECURRENT batch (`benchmarks/prefill_steps_gpu.py`). This
-times those host pieces alone — `ModelRunner._batch` + the packed copy (`HostBatch.to`, here
-to CPU) and the state slab's row assignment — for an 8192-row prefill chunk and a 256-request
+times those host pieces alone — `ModelRunner._batch` (its rows' state slab rows included) +
+the packed copy (`HostBatch.to`, here to CPU), and assigning a fresh request's slab rows — for an 8192-row prefill chunk and a 256-request
 decode batch, per row, against the cost of only materialising the same rows' positions as a
 tensor (the floor of any per-row host work), measured in the same run.
 
@@ -53,15 +53,17 @@ def main() -> None:
         f"decode RECURRENT {args.decode} requests": (ScheduledBatch(2, Operation.RECURRENT, tuple(
             BatchItem(f"r{i}", WorkKey.DECODE_RECURRENT, (300,), 2) for i in range(1, args.decode + 1))), False, args.decode),
     }
+    for batch, _, _ in cases.values():  # the rows a RECURRENT batch looks up (a PRELUDE assigned them)
+        runner.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign=True)
     cpu = torch.device("cpu")
     print(f"{'case':36s} {'batch+copy us':>14s} {'us/row':>7s} {'state rows us':>14s} {'floor us':>9s} {'x floor':>8s}")
     for name, (batch, tokens, rows) in cases.items():
         t_batch = _best_us(lambda: runner._batch(batch, reqs, tables, with_tokens=tokens).to(cpu), args.repeat)
 
-        def assign():
-            runner.states.rows([(i.request_id, list(i.positions)) for i in batch.items], assign=True)
+        def assign():  # a fresh request's rows, as its PRELUDE takes them
+            runner.states.rows([("fresh-" + i.request_id, list(i.positions)) for i in batch.items], assign=True)
             for i in batch.items:
-                runner.states.drop(i.request_id)
+                runner.states.drop("fresh-" + i.request_id)
 
         t_rows = _best_us(assign, args.repeat)
         positions = [p for i in batch.items for p in i.positions]
