@@ -17,9 +17,7 @@ if not hasattr(transformers, "DoryForCausalLM"):
 from loopserve.model.config import parse_config  # noqa: E402
 from loopserve.model.dense_reference import dense_forward, dense_greedy_generate  # noqa: E402
 from loopserve.model.registry import load_model  # noqa: E402
-from loopserve.scheduler.types import Operation  # noqa: E402
 from tests.model.test_paged_equivalence import Driver  # noqa: E402
-from loopserve.model.batch import ModelBatch, build_attn_metadata  # noqa: E402
 
 PROMPT_LENS = [1, 3, 5, 8, 9, 13, 17, 24]
 MAX_NEW = 32
@@ -105,18 +103,6 @@ class DoryDriver(Driver):
         super().__init__(m, block_size)
         allocate = self.kvm.allocate
         self.kvm.allocate = lambda rid, n, planes: allocate(rid, n, m.kv_planes(planes))
-
-    def batch(self, op, rows):
-        if op is not Operation.RECURRENT:
-            return super().batch(op, rows)
-        seg, pos, blocks, depths = [], [], [], []
-        for s, (rid, ps, d) in enumerate(rows):
-            blocks.append(self.kvm.block_table(rid).depth[self.m.plane_of_depth(d) - 1])
-            seg += [s] * len(ps)
-            pos += ps
-            depths += [d] * len(ps)
-        meta = build_attn_metadata(seg, pos, blocks, self.bs, torch.device("cpu"))
-        return ModelBatch(op, torch.tensor(pos), torch.tensor(depths), meta)
 
     def fill_deeper(self, rid, p, d, planes):
         if not self.m.last_loop_kv:  # one shared plane: nothing to fill

@@ -39,7 +39,7 @@ class Driver:
         seg, pos, blocks, depths = [], [], [], []
         for s, (rid, ps, d) in enumerate(rows):
             t = self.kvm.block_table(rid)
-            blocks.append(t.depth[d - 1] if op is Operation.RECURRENT else t.flat)
+            blocks.append(t.depth[self.m.plane_of_depth(d) - 1] if op is Operation.RECURRENT else t.flat)
             seg += [s] * len(ps)
             pos += ps
             depths += [d] * len(ps)
