@@ -89,8 +89,10 @@ def main() -> None:
           f"idle before replays {sum(map(sum, gap.values())) / args.tokens / 1e3:.2f} ms/token")
     print(f"{'operation':10s} {'steps':>5s} {'host step':>10s} {'host pre-replay':>16s} {'GPU idle before':>16s} "
           f"{'GPU replay':>11s}   (medians, µs)")
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
     for op in host:
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
         print(f"{op:10s} {len(host[op]):5d} {med(host[op]):10.1f} {med(pre[op]):16.1f} {med(gap[op]):16.1f} "
               f"{med(gpu[op]):11.1f}")
     print("command: python " + " ".join(sys.argv))
