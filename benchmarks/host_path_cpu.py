@@ -3,9 +3,10 @@
 On the H200 an 8k-token prefill is host-bound: the GPU has nothing to run while the host
 builds the PRELUDE and the first RECURRENT batch (`benchmarks/prefill_steps_gpu.py`). This
 times those host pieces alone — `ModelRunner._batch` (its rows' state slab rows included) +
-the packed copy (`HostBatch.to`, here to CPU), and assigning a fresh request's slab rows — for an 8192-row prefill chunk and a 256-request
-decode batch, per row, against the cost of only materialising the same rows' positions as a
-tensor (the floor of any per-row host work), measured in the same run.
+the packed copy (`HostBatch.to`, here to CPU), and assigning a fresh request's slab rows —
+for an 8192-row prefill chunk and a 256-request decode batch, per row, against the cost of
+only materialising the same rows' positions as a tensor (the floor of any per-row host
+work), measured in the same run.
 
 Usage: python benchmarks/host_path_cpu.py [--rows 8192] [--decode 256] [--repeat 30]
 """

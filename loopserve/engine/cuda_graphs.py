@@ -13,9 +13,10 @@ tests, since capture needs CUDA (and the Triton backend: no host loops over segm
 
 The Operation passed in gathers its rows' loop state from the engine's slab and scatters the
 new state back itself (the slab rows travel in the batch), so a replay is the batch's one
-copy and one launch: at batch 1 the separate gather, scatter and copies in and out of static
-state buffers were ~10 launches and ~150 µs of host time per Operation, and the host time
-between a token's sample and its first loop is GPU idle time.
+copy, one launch and the copy of its output: with the gather, scatter and copies in and out of
+static state buffers around the replay, a batch-1 RECURRENT step spent 404 µs of host time
+before its replay on the H200 (95 µs now; `benchmarks/decode_bubble_gpu.py`), and the host
+time between a token's sample and its first loop is GPU idle time.
 """
 
 from __future__ import annotations

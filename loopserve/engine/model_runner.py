@@ -29,6 +29,8 @@ class ModelRunner:
         self.states = StateStore(model.state_dim, dtype, device)
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.graphs: DecodeGraphs | None = None
+        self._ops = {Operation.PRELUDE: self._prelude_op, Operation.RECURRENT: self._recurrent_op,
+                     Operation.CODA: self._coda_op}
 
     def use_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: bool) -> None:
         """Run decode-shaped batches through DecodeGraphs (capture=False: the padded path,
@@ -39,8 +41,7 @@ class ModelRunner:
         """The batch's Operation, its rows' loop state read from and written back to the slab
         (rows `hb.state_in` / `state_out`), replayed from a graph where one applies. Returns
         RECURRENT's exit scores or CODA's logits."""
-        fn = {Operation.PRELUDE: self._prelude_op, Operation.RECURRENT: self._recurrent_op,
-              Operation.CODA: self._coda_op}[hb.operation]
+        fn = self._ops[hb.operation]
         if self.graphs is not None and self.graphs.applies(hb):
             return self.graphs.run(hb, fn, self.states.version)
         return fn(hb.to(self.device))
