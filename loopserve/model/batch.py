@@ -31,7 +31,7 @@ def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 @dataclass

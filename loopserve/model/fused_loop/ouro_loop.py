@@ -74,11 +74,12 @@ class OuroFusedLoop:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
                              f"{cfg.num_attention_heads}, Hkv={cfg.kv_heads}, head_dim={cfg.hd}")
         dev = next(model.parameters()).device
-        if dev.type != "cuda" and not INTERPRET:
+        if dev.type not in ("cuda", "meta") and not INTERPRET:  # meta: launch_args for an offline compile
             raise ValueError(f"the fused loop runs on CUDA (or on CPU under TRITON_INTERPRET=1); the model is on {dev}")
         if not 1 <= max_rows <= 64:
             raise ValueError(f"max_rows={max_rows} must be in [1, 64]")
         self.model = model
+        self.n_phases = PHASES_PER_LAYER * cfg.num_hidden_layers + 1  # the kernel's phase span of a whole loop
         self.max_rows = max_rows
         self.num_programs = num_programs
         self.use_barrier = (not INTERPRET) if use_barrier is None else use_barrier
@@ -178,6 +179,35 @@ class OuroFusedLoop:
         return 0 < t <= self.max_rows and len(batch.attn.seg_bounds) == t
 
     def __call__(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache) -> tuple[LoopState, torch.Tensor]:
+        n_phases, dev = self.n_phases, state.hidden.device
+
+        def launch(progs: int, spans: list[tuple[int, int]], warmup: bool = False):
+            """Every span's launch on one workspace (warmup: compile only, return the kernel)."""
+            args, consts, outs = self.launch_args(batch, state, kv, progs, run=not warmup)
+            if warmup:
+                return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
+            for lo, hi in spans:
+                ouro_loop_kernel[(progs,)](*args, lo, hi, **consts)
+            return outs
+
+        if not self.use_barrier:
+            out, rem_out, score = launch(self.num_programs or (1 if INTERPRET else _num_sms(dev)),
+                                         [(p, p + 1) for p in range(n_phases)])
+        else:
+            everything = [(0, n_phases)]
+            rows = triton.next_power_of_2(batch.num_rows)
+            out, rem_out, score = launch(
+                self._resident_grid(rows, dev, lambda progs: launch(progs, everything, warmup=True)), everything)
+        self.runs += 1
+        return LoopState(out, rem_out), score
+
+    def launch_args(self, batch: ModelBatch, state: LoopState, kv: PagedKVCache, progs: int,
+                    run: bool = True) -> tuple[tuple, dict, tuple[torch.Tensor, ...]]:
+        """The kernel's arguments but the phase span, its constexprs and launch options, and its
+        outputs (normed hidden, Π(1-σ), score), on a fresh workspace for a `progs`-program grid
+        (run False: only to compile, so the counters are not zeroed nor phase times kept). On
+        the meta device, what compiling the kernel offline as the JIT would needs
+        (benchmarks/fused_loop_regs.py)."""
         m, cfg = self.model, self.model.config
         st = self.stacked()
         hidden = state.hidden
@@ -194,52 +224,35 @@ class OuroFusedLoop:
         block_g, block_d = triton.next_power_of_2(hq // hkv), triton.next_power_of_2(d)
         block_n = max(16, min(64, 4096 // (block_g * block_d)))  # attention's KV tile
         gm = self.gemv_mode
-
-        def launch(progs: int, spans: list[tuple[int, int]], warmup: bool = False):
-            """Every span's launch on one workspace (warmup: compile only, return the kernel)."""
-            splits = num_splits(t, hkv, progs, meta.max_context_len, block_n)
-            bs = triton.next_power_of_2(splits)
-            sizes = [2 * bb * h, bb * h, bb * nqkv, bb * 2 * inter, splits * t * hq * d, splits * t * hq,
-                     splits * t * hq, bb * hq * d, progs * bb * h, 1 + t * hkv]
-            ws = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
-            xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, count = ws.split(sizes)
-            count = count.view(torch.int32)  # the grid barrier's counter, then the merge tickets
-            if not warmup:
-                count.zero_()
-            times = None
-            if self.phase_times and not warmup:
-                times = self.last_phase_times = torch.full((n_phases, progs, 3), -1, dtype=torch.int64, device=dev)
-            bn = {"qkv": row_tile(nqkv, progs, gm), "o": row_tile(h, progs, gm),
-                  "gate_up": row_tile(2 * inter, progs, gm), "down": row_tile(h, progs, gm)}
-            descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
-            args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
-                    meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
-                    rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
-                    st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
-                    xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, bb * h, count, times,
-                    t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
-            consts = dict(
-                L=cfg.num_hidden_layers, H=h, I=inter, HQ=hq, HKV=hkv, HEAD_D=d, PAGE=meta.block_size,
-                BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
-                BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=bs,
-                BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k, PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier,
-                PREFETCH=self.prefetch_kib > 0 and not INTERPRET, NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
-                TIMING=times is not None, INTERPRET=INTERPRET,
-                num_warps=self.num_warps, num_stages=self.num_stages)
-            if warmup:
-                return ouro_loop_kernel.warmup(*args, *spans[0], grid=(progs,), **consts)
-            for lo, hi in spans:
-                ouro_loop_kernel[(progs,)](*args, lo, hi, **consts)
-
-        n_phases = PHASES_PER_LAYER * cfg.num_hidden_layers + 1
-        if not self.use_barrier:
-            launch(self.num_programs or (1 if INTERPRET else _num_sms(dev)),
-                   [(p, p + 1) for p in range(n_phases)])
-        else:
-            everything = [(0, n_phases)]
-            launch(self._resident_grid(bb, dev, lambda progs: launch(progs, everything, warmup=True)), everything)
-        self.runs += 1
-        return LoopState(out, rem_out), score
+        splits = num_splits(t, hkv, progs, meta.max_context_len, block_n)
+        sizes = [2 * bb * h, bb * h, bb * nqkv, bb * 2 * inter, splits * t * hq * d, splits * t * hq,
+                 splits * t * hq, bb * hq * d, progs * bb * h, 1 + t * hkv]
+        ws = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
+        xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, count = ws.split(sizes)
+        count = count.view(torch.int32)  # the grid barrier's counter, then the merge tickets
+        if run:
+            count.zero_()
+        times = None
+        if run and self.phase_times:
+            times = self.last_phase_times = torch.full((self.n_phases, progs, 3), -1, dtype=torch.int64, device=dev)
+        bn = {"qkv": row_tile(nqkv, progs, gm), "o": row_tile(h, progs, gm),
+              "gate_up": row_tile(2 * inter, progs, gm), "down": row_tile(h, progs, gm)}
+        descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
+        args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
+                meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
+                rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
+                st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
+                xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, bb * h, count, times,
+                t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
+        consts = dict(
+            L=cfg.num_hidden_layers, H=h, I=inter, HQ=hq, HKV=hkv, HEAD_D=d, PAGE=meta.block_size,
+            BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
+            BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
+            PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, PREFETCH=self.prefetch_kib > 0 and not INTERPRET,
+            NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
+            TIMING=times is not None, INTERPRET=INTERPRET, num_warps=self.num_warps, num_stages=self.num_stages)
+        return args, consts, (out, rem_out, score)
 
     def _resident_grid(self, rows: int, dev: torch.device, compile_for) -> int:
         """The barrier's grid: `num_programs`, or up to `programs_per_sm` per SM — but only as
