@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from loopserve.engine import engine_core
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampling_params import SamplingParams
@@ -57,6 +58,13 @@ def main() -> None:
 
     ops: list[str] = []
     execute = e._execute
+    sampled: list[float] = []  # host clock when each CODA's sample reached the host (its one sync)
+    sample_rows = engine_core.sample_rows
+
+    def traced_sample_rows(*a, **kw):
+        out = sample_rows(*a, **kw)
+        sampled.append(time.perf_counter())
+        return out
 
     def traced_execute(batch):
         ops.append(batch.operation.name)
@@ -64,6 +72,7 @@ def main() -> None:
 
     torch.cuda.CUDAGraph.replay = timed_replay
     e._execute = traced_execute
+    engine_core.sample_rows = traced_sample_rows
     steps = []
     n_steps = 6 * args.tokens
     t_all = time.perf_counter()
@@ -74,6 +83,7 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
     torch.cuda.CUDAGraph.replay = replay
+    engine_core.sample_rows = sample_rows
     if len(marks) != len(steps) or len(ops) != len(steps):
         sys.exit(f"expected one replay per step: {len(marks)} replays, {len(ops)} ops, {len(steps)} steps")
 
@@ -95,6 +105,21 @@ def main() -> None:
     for op in host:
         print(f"{op:10s} {len(host[op]):5d} {med(host[op]):10.1f} {med(pre[op]):16.1f} {med(gap[op]):16.1f} "
               f"{med(gpu[op]):11.1f}")
+    # From a token's sample on the host to the next PRELUDE's replay (the GPU idles all along):
+    # the rest of the CODA step, the caller's gap between steps, the PRELUDE step before its replay.
+    after, between, before = [], [], []
+    codas = iter(sampled)
+    for k in range(len(ops) - 1):
+        if ops[k] == "CODA" and ops[k + 1] == "PRELUDE":
+            ts = next(codas)
+            after.append((steps[k][1] - ts) * 1e6)
+            between.append((steps[k + 1][0] - steps[k][1]) * 1e6)
+            before.append((marks[k + 1][0] - steps[k + 1][0]) * 1e6)
+        elif ops[k] == "CODA":
+            next(codas)
+    if after:
+        print(f"sample on the host -> next PRELUDE replay (medians, µs): rest of the CODA step {med(after):.1f}, "
+              f"between steps {med(between):.1f}, PRELUDE step before its replay {med(before):.1f}")
     print("command: python " + " ".join(sys.argv))
 
 
