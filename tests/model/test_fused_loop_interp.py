@@ -49,6 +49,15 @@ def test_gemv_modes(dtype, mode):
     compare(m, fused, case, atol=1e-5 if dtype == torch.float32 else 5e-2)
 
 
+@pytest.mark.parametrize("block_k", [32, 128])
+def test_two_weight_chunks_ahead(block_k):
+    """GEMV mode 0 with two W chunks loaded ahead: block_k 32 runs the ring over many chunks
+    and past the end of K, 128 leaves some K (tiny-ouro's 64) shorter than the first chunk."""
+    m = resolve_model("tiny-ouro", dtype=torch.float32, seed=0)
+    case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
+    compare(m, OuroFusedLoop(m, num_programs=3, block_k=block_k, w_ahead=2), case, atol=1e-5)
+
+
 def test_padding_rows_write_no_kv(ouro):
     """A graph-padded batch: the padding rows' outputs are dropped and they write nothing."""
     case = make_case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
@@ -96,6 +105,10 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, use_barrier=True)
     with pytest.raises(ValueError, match="gemv_mode=4 must be one of"):
         OuroFusedLoop(ouro, gemv_mode=4)
+    with pytest.raises(ValueError, match="w_ahead=3 must be 1 or 2"):
+        OuroFusedLoop(ouro, w_ahead=3)
+    with pytest.raises(ValueError, match="w_ahead=2 must be 1 or 2.*gemv_mode=1"):
+        OuroFusedLoop(ouro, w_ahead=2, gemv_mode=1)
     with pytest.raises(ValueError, match="block_k=512 must be <= 256 in TMA GEMV mode 2"):
         OuroFusedLoop(ouro, gemv_mode=2, block_k=512)
 

@@ -105,16 +105,24 @@ def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta,
 
 
 @triton.jit
+def _w_chunk(rows, k, K, n_mask):
+    """W[n, k] of a tile's rows (`rows`: their row pointers), streamed past L1."""
+    return tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
           BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-          XSRC: tl.constexpr, DOT_F32: tl.constexpr):
+          XSRC: tl.constexpr, DOT_F32: tl.constexpr, AHEAD: tl.constexpr):
     """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
     grid-strided.
 
-    MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile (the next K
-    chunk of W and of x loaded before the current one is used). MODE 1: tensor cores, the rows padded to 16
-    (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16 rows cost
-    the same and Triton's software pipeline keeps several K chunks in flight."""
+    MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile; the next
+    AHEAD (1 or 2) K chunks of W and the next of x are loaded before the current ones are
+    used, so AHEAD + 1 chunks of W are in flight per program. MODE 1: tensor cores, the rows
+    padded to 16 (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16
+    rows cost the same and Triton's software pipeline keeps several K chunks in flight."""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
         n = t * BN + tl.arange(0, BN)
@@ -139,16 +147,20 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
             acc = tl.zeros([BLOCK_B, BN], tl.float32)
             for r in tl.static_range(BLOCK_B):
                 acc2 = tl.zeros([BN, BK], tl.float32)
-                w = tl.load(rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
-                            eviction_policy="evict_first")
+                w = _w_chunk(rows, kk, K, n_mask)
+                if AHEAD == 2:
+                    w1 = _w_chunk(rows, BK + kk, K, n_mask)
                 x = _x_chunk(Xs, r, kk, K, (kk < K) & (kk * 0 + r < num_rows), XSRC)
                 for k0 in range(0, K, BK):
                     k_next = k0 + BK + kk
-                    w_next = tl.load(rows + k_next[None, :], mask=n_mask[:, None] & (k_next < K)[None, :],
-                                     other=0.0, eviction_policy="evict_first")
+                    w_next = _w_chunk(rows, k0 + AHEAD * BK + kk, K, n_mask)
                     x_next = _x_chunk(Xs, r, k_next, K, (k_next < K) & (k_next * 0 + r < num_rows), XSRC)
                     acc2 += w.to(tl.float32) * x[None, :]
-                    w = w_next
+                    if AHEAD == 2:
+                        w = w1
+                        w1 = w_next
+                    else:
+                        w = w_next
                     x = x_next
                 acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
         tl.store(Y + b_idx[:, None] * N + n[None, :], acc, mask=(b_idx < num_rows)[:, None] & n_mask[None, :])
@@ -203,13 +215,14 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
             BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr):
+            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr, W_AHEAD: tl.constexpr):
     """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
     if MODE >= 2:
         _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
                   MODE == 3, XSRC, INTERPRET)
     else:
-        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, XSRC, INTERPRET)
+        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, XSRC, INTERPRET,
+              W_AHEAD)
 
 
 @triton.jit
@@ -355,7 +368,7 @@ def ouro_loop_kernel(
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
-        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr,
+        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr, W_AHEAD: tl.constexpr,
         TIMING: tl.constexpr, INTERPRET: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). DW*: TMA
@@ -398,7 +411,7 @@ def ouro_loop_kernel(
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET)
+                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
@@ -410,7 +423,7 @@ def ouro_loop_kernel(
             if pid < tl.cdiv(H, BN_O):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wo, DWo, lw, H, NQ, Merged, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET)
+                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET, W_AHEAD)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
@@ -418,13 +431,13 @@ def ouro_loop_kernel(
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET)
+                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wdown, DWdown, lw, H, I, GU, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET)
+                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET, W_AHEAD)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         if USE_BARRIER:
             if ph + 1 < phase_hi:

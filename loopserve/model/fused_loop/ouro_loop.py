@@ -68,7 +68,7 @@ class OuroFusedLoop:
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
                  programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
-                 num_stages: int = 3, phase_times: bool = False) -> None:
+                 num_stages: int = 3, phase_times: bool = False, w_ahead: int = 1) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -97,6 +97,10 @@ class OuroFusedLoop:
         if gemv_mode >= 2 and block_k > _TMA_MAX_BOX:
             raise ValueError(f"block_k={block_k} must be <= {_TMA_MAX_BOX} in TMA GEMV mode {gemv_mode}")
         self.gemv_mode = gemv_mode  # kernel.py's _linear MODE
+        if w_ahead not in (1, 2) or (w_ahead != 1 and gemv_mode != 0):
+            raise ValueError(f"w_ahead={w_ahead} must be 1 or 2 (K chunks of W loaded ahead of the one in use), "
+                             f"and 2 only in GEMV mode 0 (got gemv_mode={gemv_mode})")
+        self.w_ahead = w_ahead
         self.num_stages = num_stages
         self.num_warps = num_warps
         if phase_times and INTERPRET:
@@ -250,7 +254,7 @@ class OuroFusedLoop:
             BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
             BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
             PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, PREFETCH=self.prefetch_kib > 0 and not INTERPRET,
-            NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages,
+            NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages, W_AHEAD=self.w_ahead,
             TIMING=times is not None, INTERPRET=INTERPRET, num_warps=self.num_warps, num_stages=self.num_stages)
         return args, consts, (out, rem_out, score)
 
