@@ -34,7 +34,8 @@ def test_fused_loop_equals_per_layer_fp32(models, rows, barrier):
 
 
 @pytest.mark.parametrize("config", [dict(), dict(block_k=256, num_warps=4, programs_per_sm=2),
-                                    dict(prefetch_kib=128), dict(w_ahead=2), dict(gemv_mode=1),
+                                    dict(prefetch_kib=128), dict(w_ahead=2), dict(prefetch_own=True, w_ahead=2),
+                                    dict(gemv_mode=1),
                                     dict(gemv_mode=2, block_k=256, num_stages=4, prefetch_kib=64),
                                     dict(gemv_mode=3, block_k=128, num_warps=4, num_stages=4)])
 def test_fused_loop_bf16_variants(models, config):

@@ -109,6 +109,8 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, w_ahead=3)
     with pytest.raises(ValueError, match="w_ahead=2 must be 1 or 2.*gemv_mode=1"):
         OuroFusedLoop(ouro, w_ahead=2, gemv_mode=1)
+    with pytest.raises(ValueError, match="prefetch_own applies to GEMV mode 0 only"):
+        OuroFusedLoop(ouro, prefetch_own=True, gemv_mode=2, block_k=256)
     with pytest.raises(ValueError, match="block_k=512 must be <= 256 in TMA GEMV mode 2"):
         OuroFusedLoop(ouro, gemv_mode=2, block_k=512)
 

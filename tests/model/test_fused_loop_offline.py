@@ -36,8 +36,8 @@ def _compile(**fused_kw) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fused_kw", [{}, {"num_warps": 8}, {"w_ahead": 2}],
-                         ids=["engine-default", "8-warps", "two-chunks-ahead"])
+@pytest.mark.parametrize("fused_kw", [{}, {"num_warps": 8}, {"w_ahead": 2}, {"prefetch_own": True}],
+                         ids=["engine-default", "8-warps", "two-chunks-ahead", "prefetch-own-tiles"])
 def test_weights_stream_in_16_byte_loads_without_spills(fused_kw):
     r = _compile(**fused_kw)
     loads, usage = r["loads"], r["usage"]

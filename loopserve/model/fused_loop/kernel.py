@@ -64,24 +64,31 @@ def _rms(x, mask, n, eps):
 
 
 @triton.jit
+def _prefetch_tile(W, N, K, BN, t, max_bytes):
+    """Ask L2 for rows [t·BN, t·BN + BN) of a row-major W[N, K] (at most max_bytes of them)
+    without waiting: one `cp.async.bulk.prefetch` from one thread (the copy engine walks the
+    bytes; sm_90)."""
+    esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    nbytes = tl.minimum(tl.minimum(N - t * BN, BN) * K * esize, max_bytes).to(tl.int32) // 16 * 16
+    addr = (W + t.to(tl.int64) * BN * K).to(tl.int64, bitcast=True) + tl.zeros([1], tl.int64)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_slice(W, N, K, BN, pid, num_progs, MAX_BYTES: tl.constexpr):
     """Ask L2 for this program's tiles (rows [t·BN, t·BN + BN) for t = pid, pid + num_progs, ...)
-    of a row-major W[N, K], up to MAX_BYTES, without waiting: weights never depend on the
-    phase before, so DRAM streams them while the program waits at a barrier, runs
-    latency-bound attention or builds its input vector. One `cp.async.bulk.prefetch` per
-    tile from one thread (the copy engine walks the bytes; sm_90)."""
+    of a row-major W[N, K], up to MAX_BYTES: weights never depend on the phase before, so
+    DRAM streams them while the program waits at a barrier, runs latency-bound attention or
+    builds its input vector."""
     esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
     tile_bytes = BN * K * esize
     budget = tl.minimum(MAX_BYTES, tl.cdiv(tl.cdiv(N, BN) - pid, num_progs) * tile_bytes)
     t = pid
     for off in range(0, budget, tile_bytes):
-        rows = tl.minimum(N - t * BN, BN)
-        nbytes = tl.minimum(rows * K * esize, budget - off).to(tl.int32) // 16 * 16
-        addr = (W + t.to(tl.int64) * BN * K).to(tl.int64, bitcast=True) + tl.zeros([1], tl.int64)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_tile(W, N, K, BN, t, budget - off)
         t += num_progs
 
 
@@ -114,17 +121,25 @@ def _w_chunk(rows, k, K, n_mask):
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
           BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-          XSRC: tl.constexpr, DOT_F32: tl.constexpr, AHEAD: tl.constexpr):
+          XSRC: tl.constexpr, DOT_F32: tl.constexpr, AHEAD: tl.constexpr, OWN_PREFETCH: tl.constexpr):
     """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
     grid-strided.
 
     MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile; the next
     AHEAD (1 or 2) K chunks of W and the next of x are loaded before the current ones are
-    used, so AHEAD + 1 chunks of W are in flight per program. MODE 1: tensor cores, the rows
+    used, so AHEAD + 1 chunks of W are in flight per program; OWN_PREFETCH: each tile first
+    asks L2 for the program's next one (the first tile for itself too), so DRAM streams a
+    whole tile ahead of the register loads. MODE 1: tensor cores, the rows
     padded to 16 (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16
     rows cost the same and Triton's software pipeline keeps several K chunks in flight."""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
+        if OWN_PREFETCH:
+            esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+            if t == pid:
+                _prefetch_tile(W, N, K, BN, t, BN * K * esize)
+            if t + num_progs < tl.cdiv(N, BN):
+                _prefetch_tile(W, N, K, BN, t + num_progs, BN * K * esize)
         n = t * BN + tl.arange(0, BN)
         n_mask = n < N
         rows = W + n[:, None].to(tl.int64) * K
@@ -215,14 +230,15 @@ def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
 @triton.jit
 def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
             BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr, W_AHEAD: tl.constexpr):
+            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr, W_AHEAD: tl.constexpr,
+            OWN_PREFETCH: tl.constexpr):
     """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
     if MODE >= 2:
         _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
                   MODE == 3, XSRC, INTERPRET)
     else:
         _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, XSRC, INTERPRET,
-              W_AHEAD)
+              W_AHEAD, OWN_PREFETCH)
 
 
 @triton.jit
@@ -369,6 +385,7 @@ def ouro_loop_kernel(
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
         NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr, W_AHEAD: tl.constexpr,
+        OWN_PREFETCH: tl.constexpr,
         TIMING: tl.constexpr, INTERPRET: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). DW*: TMA
@@ -411,7 +428,7 @@ def ouro_loop_kernel(
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD)
+                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD, OWN_PREFETCH)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
@@ -423,7 +440,7 @@ def ouro_loop_kernel(
             if pid < tl.cdiv(H, BN_O):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wo, DWo, lw, H, NQ, Merged, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET, W_AHEAD)
+                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET, W_AHEAD, OWN_PREFETCH)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
@@ -431,13 +448,13 @@ def ouro_loop_kernel(
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD)
+                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD, OWN_PREFETCH)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
                 _linear(Wdown, DWdown, lw, H, I, GU, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET, W_AHEAD)
+                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET, W_AHEAD, OWN_PREFETCH)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         if USE_BARRIER:
             if ph + 1 < phase_hi:

@@ -68,7 +68,8 @@ class OuroFusedLoop:
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
                  programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
-                 num_stages: int = 3, phase_times: bool = False, w_ahead: int = 1) -> None:
+                 num_stages: int = 3, phase_times: bool = False, w_ahead: int = 1,
+                 prefetch_own: bool = False) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -101,6 +102,11 @@ class OuroFusedLoop:
             raise ValueError(f"w_ahead={w_ahead} must be 1 or 2 (K chunks of W loaded ahead of the one in use), "
                              f"and 2 only in GEMV mode 0 (got gemv_mode={gemv_mode})")
         self.w_ahead = w_ahead
+        if prefetch_own and gemv_mode != 0:
+            raise ValueError(f"prefetch_own applies to GEMV mode 0 only (got gemv_mode={gemv_mode})")
+        # each GEMV tile asks L2 for the program's next tile ahead of its register loads (sm_90
+        # PTX; not under the interpreter)
+        self.prefetch_own = prefetch_own
         self.num_stages = num_stages
         self.num_warps = num_warps
         if phase_times and INTERPRET:
@@ -255,6 +261,7 @@ class OuroFusedLoop:
             BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
             PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, PREFETCH=self.prefetch_kib > 0 and not INTERPRET,
             NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages, W_AHEAD=self.w_ahead,
+            OWN_PREFETCH=self.prefetch_own and not INTERPRET,
             TIMING=times is not None, INTERPRET=INTERPRET, num_warps=self.num_warps, num_stages=self.num_stages)
         return args, consts, (out, rem_out, score)
 
