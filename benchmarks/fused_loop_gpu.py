@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--configs", default="512x8x1",
                     help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch KiB "
                          "[x GEMV mode 0-3 [x num_stages [x W chunks ahead, mode 0: 1 or 2 [x prefetch own "
-                         "tiles 0/1]]]]]; the first also runs per-phase launches")
+                         "tiles 0/1 [x min GEMV row tile]]]]]]; the first also runs per-phase launches")
     ap.add_argument("--phase-times", action="store_true")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
@@ -99,9 +99,9 @@ def main() -> None:
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
             vals = [int(v) for v in c.split("x")]
-            bk, nw, pps, pf, mode, stages, ahead, own = vals + [0, 0, 3, 1, 0][len(vals) - 3:]
+            bk, nw, pps, pf, mode, stages, ahead, own, tile = vals + [0, 0, 3, 1, 0, 1][len(vals) - 3:]
             kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch_kib=pf, gemv_mode=mode,
-                      num_stages=stages, w_ahead=ahead, prefetch_own=bool(own))
+                      num_stages=stages, w_ahead=ahead, prefetch_own=bool(own), min_row_tile=tile)
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
             variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))

@@ -58,6 +58,12 @@ def test_two_weight_chunks_ahead(block_k):
     compare(m, OuroFusedLoop(m, num_programs=3, block_k=block_k, w_ahead=2), case, atol=1e-5)
 
 
+def test_taller_row_tiles(ouro):
+    """min_row_tile 16: every GEMV in 16-row tiles (tiny-ouro's 64-row o and down: 4 tiles over 3 programs)."""
+    case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
+    compare(ouro, OuroFusedLoop(ouro, num_programs=3, min_row_tile=16), case, atol=1e-5)
+
+
 def test_padding_rows_write_no_kv(ouro):
     """A graph-padded batch: the padding rows' outputs are dropped and they write nothing."""
     case = make_case(ouro, [7, 2, 11], [1, 1, 2], block_size=8, dtype=torch.float32, pad_rows=1)
@@ -96,6 +102,7 @@ def test_row_tile_balances_programs():
     assert row_tile(2048, 132) == 16  # 128 tiles: one each
     assert row_tile(11264, 132) == 8  # 16-row tiles leave the busiest program 96 rows, 8-row 88
     assert row_tile(6144, 132) == 16
+    assert row_tile(11264, 132, min_tile=16) == 16  # taller tiles asked for: balance gives way
 
 
 def test_rejects_bad_settings(ouro):
@@ -109,6 +116,8 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, w_ahead=3)
     with pytest.raises(ValueError, match="w_ahead=2 must be 1 or 2.*gemv_mode=1"):
         OuroFusedLoop(ouro, w_ahead=2, gemv_mode=1)
+    with pytest.raises(ValueError, match="min_row_tile=32 must be <= 16"):
+        OuroFusedLoop(ouro, min_row_tile=32)
     with pytest.raises(ValueError, match="prefetch_own applies to GEMV mode 0 only"):
         OuroFusedLoop(ouro, prefetch_own=True, gemv_mode=2, block_k=256)
     with pytest.raises(ValueError, match="block_k=512 must be <= 256 in TMA GEMV mode 2"):

@@ -29,9 +29,11 @@ _ROW_TILES = {0: (16, 8, 4), 1: (32, 16), 2: (16, 8), 3: (32, 16)}
 _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
 
 
-def row_tile(n: int, programs: int, mode: int = 0) -> int:
-    """The GEMV tile height that leaves the busiest program the fewest rows (ties: taller)."""
-    return min(_ROW_TILES[mode], key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
+def row_tile(n: int, programs: int, mode: int = 0, min_tile: int = 1) -> int:
+    """The GEMV tile height of at least `min_tile` rows (taller tiles: more bytes per K chunk)
+    that leaves the busiest program the fewest rows (ties: taller)."""
+    tiles = [bn for bn in _ROW_TILES[mode] if bn >= min_tile] or [max(_ROW_TILES[mode])]
+    return min(tiles, key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
 
 
 def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int, min_len: int) -> int:
@@ -69,7 +71,7 @@ class OuroFusedLoop:
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
                  programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
                  num_stages: int = 3, phase_times: bool = False, w_ahead: int = 1,
-                 prefetch_own: bool = False) -> None:
+                 prefetch_own: bool = False, min_row_tile: int = 1) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -107,6 +109,10 @@ class OuroFusedLoop:
         # each GEMV tile asks L2 for the program's next tile ahead of its register loads (sm_90
         # PTX; not under the interpreter)
         self.prefetch_own = prefetch_own
+        if min_row_tile > max(_ROW_TILES[gemv_mode]):
+            raise ValueError(f"min_row_tile={min_row_tile} must be <= {max(_ROW_TILES[gemv_mode])}, the tallest "
+                             f"GEMV tile of mode {gemv_mode}")
+        self.min_row_tile = min_row_tile  # row_tile's floor: trades balance for bytes per chunk
         self.num_stages = num_stages
         self.num_warps = num_warps
         if phase_times and INTERPRET:
@@ -245,8 +251,8 @@ class OuroFusedLoop:
         times = None
         if run and self.phase_times:
             times = self.last_phase_times = torch.full((self.n_phases, progs, 3), -1, dtype=torch.int64, device=dev)
-        bn = {"qkv": row_tile(nqkv, progs, gm), "o": row_tile(h, progs, gm),
-              "gate_up": row_tile(2 * inter, progs, gm), "down": row_tile(h, progs, gm)}
+        bn = {kind: row_tile(n, progs, gm, self.min_row_tile)
+              for kind, n in (("qkv", nqkv), ("o", h), ("gate_up", 2 * inter), ("down", h))}
         descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
         args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
                 meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
