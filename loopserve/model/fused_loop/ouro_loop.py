@@ -32,7 +32,7 @@ _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
 def row_tile(n: int, programs: int, mode: int = 0, min_tile: int = 1) -> int:
     """The GEMV tile height of at least `min_tile` rows (taller tiles: more bytes per K chunk)
     that leaves the busiest program the fewest rows (ties: taller)."""
-    tiles = [bn for bn in _ROW_TILES[mode] if bn >= min_tile] or [max(_ROW_TILES[mode])]
+    tiles = [bn for bn in _ROW_TILES[mode] if bn >= min_tile]
     return min(tiles, key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
 
 
@@ -222,8 +222,7 @@ class OuroFusedLoop:
         """The kernel's arguments but the phase span, its constexprs and launch options, and its
         outputs (normed hidden, Π(1-σ), score), on a fresh workspace for a `progs`-program grid
         (run False: only to compile, so the counters are not zeroed nor phase times kept). On
-        the meta device, what compiling the kernel offline as the JIT would needs
-        (benchmarks/fused_loop_regs.py)."""
+        the meta device, what compiling the kernel offline as the JIT would needs (offline.py)."""
         m, cfg = self.model, self.model.config
         st = self.stacked()
         hidden = state.hidden
