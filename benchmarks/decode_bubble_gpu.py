@@ -1,13 +1,17 @@
 """Where a batch-1 decode token's wall time goes beyond GPU work: per Operation, host time
 and the GPU's idle gap before each graph replay (CUDA events around every replay).
 
-The engine's steps run as in serving (no profiler, no sync but the sampler's); the script
+The engine's steps run as in serving (no profiler, no sync but the sample's read-back); the script
 wraps `torch.cuda.CUDAGraph.replay` to record an event before and after it and times each
 `EngineCore.step` on the host. Idle before a replay = time from the previous replay's end
 to this one's start; the few eager kernels between replays (the sampler's argmax, output
 copies: a few µs) count as idle, so it is an upper bound.
 
+With `--defer-readback off` the host reads each sample before it launches the token's next
+PRELUDE (the engine before defer_readback); the split of that gap is printed then.
+
 Usage: python benchmarks/decode_bubble_gpu.py [--tokens 40] [--batch 1] [--fused-loop auto|off]
+       [--defer-readback on|off]
 """
 
 from __future__ import annotations
@@ -20,11 +24,33 @@ from collections import defaultdict
 
 import torch
 
-from loopserve.engine import engine_core
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.sampler import DrawnTokens
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def sample_gap(ops: list[str], steps: list[tuple[float, float]], marks: list, sampled: list[float]) -> None:
+    """From a token's sample on the host to the next PRELUDE's replay (the GPU idles all along):
+    the rest of the CODA step, the caller's gap between steps, the PRELUDE step before its replay."""
+    after, between, before = [], [], []
+    codas = iter(sampled)
+    for k in range(len(ops) - 1):
+        if ops[k] == "CODA" and ops[k + 1] == "PRELUDE":
+            ts = next(codas)
+            after.append((steps[k][1] - ts) * 1e6)
+            between.append((steps[k + 1][0] - steps[k][1]) * 1e6)
+            before.append((marks[k + 1][0] - steps[k + 1][0]) * 1e6)
+        elif ops[k] == "CODA":
+            next(codas)
+    if after:
+        print(f"sample on the host -> next PRELUDE replay (medians, µs): rest of the CODA step {med(after):.1f}, "
+              f"between steps {med(between):.1f}, PRELUDE step before its replay {med(before):.1f}")
 
 
 def main() -> None:
@@ -33,11 +59,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--fused-loop", default="auto")
     ap.add_argument("--model", default="ouro-1.4b-shape")
+    ap.add_argument("--defer-readback", choices=("on", "off"), default="on")
     args = ap.parse_args()
+    defer = args.defer_readback == "on"
     model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
     e = EngineCore(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", block_size=16,
                                 num_blocks=args.batch * 4 * 24 + 64, max_model_len=384,
-                                max_num_seqs=max(args.batch, 8), fused_loop=args.fused_loop), model=model)
+                                max_num_seqs=max(args.batch, 8), fused_loop=args.fused_loop,
+                                defer_readback=defer), model=model)
     for i in range(args.batch):
         e.add_request(list(range(1000 + i, 1256 + i)),
                       SamplingParams(max_tokens=args.tokens + 20, ignore_eos=True, exit_threshold=1.0))
@@ -59,11 +88,13 @@ def main() -> None:
     ops: list[str] = []
     execute = e._execute
     sampled: list[float] = []  # host clock when each CODA's sample reached the host (its one sync)
-    sample_rows = engine_core.sample_rows
+    samples = DrawnTokens.samples
 
-    def traced_sample_rows(*a, **kw):
-        out = sample_rows(*a, **kw)
-        sampled.append(time.perf_counter())
+    def traced_samples(self):
+        first = self._samples is None
+        out = samples(self)
+        if first:
+            sampled.append(time.perf_counter())
         return out
 
     def traced_execute(batch):
@@ -72,7 +103,7 @@ def main() -> None:
 
     torch.cuda.CUDAGraph.replay = timed_replay
     e._execute = traced_execute
-    engine_core.sample_rows = traced_sample_rows
+    DrawnTokens.samples = traced_samples
     steps = []
     n_steps = 6 * args.tokens
     t_all = time.perf_counter()
@@ -83,7 +114,7 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
     torch.cuda.CUDAGraph.replay = replay
-    engine_core.sample_rows = sample_rows
+    DrawnTokens.samples = samples
     if len(marks) != len(steps) or len(ops) != len(steps):
         sys.exit(f"expected one replay per step: {len(marks)} replays, {len(ops)} ops, {len(steps)} steps")
 
@@ -94,32 +125,17 @@ def main() -> None:
         gpu[op].append(before.elapsed_time(after) * 1e3)
         if k:
             gap[op].append(marks[k - 1][2].elapsed_time(before) * 1e3)
-    print(f"batch {args.batch}, fused_loop={args.fused_loop}: {wall / args.tokens * 1e3:.2f} ms/token over "
+    print(f"batch {args.batch}, fused_loop={args.fused_loop}, defer_readback={args.defer_readback}: {wall / args.tokens * 1e3:.2f} ms/token over "
           f"{args.tokens} tokens; GPU in replays {sum(map(sum, gpu.values())) / args.tokens / 1e3:.2f} ms/token, "
           f"idle before replays {sum(map(sum, gap.values())) / args.tokens / 1e3:.2f} ms/token")
     print(f"{'operation':10s} {'steps':>5s} {'host step':>10s} {'host pre-replay':>16s} {'GPU idle before':>16s} "
           f"{'GPU replay':>11s}   (medians, µs)")
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs) if xs else float("nan")
 
     for op in host:
         print(f"{op:10s} {len(host[op]):5d} {med(host[op]):10.1f} {med(pre[op]):16.1f} {med(gap[op]):16.1f} "
               f"{med(gpu[op]):11.1f}")
-    # From a token's sample on the host to the next PRELUDE's replay (the GPU idles all along):
-    # the rest of the CODA step, the caller's gap between steps, the PRELUDE step before its replay.
-    after, between, before = [], [], []
-    codas = iter(sampled)
-    for k in range(len(ops) - 1):
-        if ops[k] == "CODA" and ops[k + 1] == "PRELUDE":
-            ts = next(codas)
-            after.append((steps[k][1] - ts) * 1e6)
-            between.append((steps[k + 1][0] - steps[k][1]) * 1e6)
-            before.append((marks[k + 1][0] - steps[k + 1][0]) * 1e6)
-        elif ops[k] == "CODA":
-            next(codas)
-    if after:
-        print(f"sample on the host -> next PRELUDE replay (medians, µs): rest of the CODA step {med(after):.1f}, "
-              f"between steps {med(between):.1f}, PRELUDE step before its replay {med(before):.1f}")
+    if not defer:
+        sample_gap(ops, steps, marks, sampled)
     print("command: python " + " ".join(sys.argv))
 
 

@@ -6,7 +6,10 @@
 3. continuous-depth (refill) vs fixed-cohort (no_refill) tokens/s at adaptive exit;
 4. NIXL KV READ between two processes on the one GPU vs torch D2D copy of the same bytes.
 
-Usage: python benchmarks/gpu_h200.py [--parts 1,2,3,4,p] [--decode-batches 1,8,64,256] [--model ouro-1.4b-shape] [--out DIR]
+Usage: python benchmarks/gpu_h200.py [--parts 1,2,3,4,p] [--decode-batches 1,8,64,256] [--sync-readback]
+       [--model ouro-1.4b-shape] [--out DIR]
+(--sync-readback: part 1 also runs each graph mode with defer_readback off, the baseline of
+the deferred sample read-back.)
 """
 
 from __future__ import annotations
@@ -75,14 +78,19 @@ DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off"), "graphs": di
                 "fused": dict(fused_loop="on", fused_loop_rows=8)}
 
 
-def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256)) -> dict:
+def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256),
+                sync_readback: bool = False) -> dict:
     """Eager launches, CUDA-graph replays of the per-layer kernels and (batches the fused loop
-    takes) graphs of the fused loop kernel, each vs the weight-read bound."""
+    takes) graphs of the fused loop kernel, each vs the weight-read bound; `sync_readback`:
+    the graph modes again with each sample read before the next PRELUDE is launched."""
     out = {}
     bound = weight_bytes_per_token(model) / (base["copy_GBps"] * 1e9)
+    modes = dict(DECODE_MODES)
+    if sync_readback:
+        modes.update({f"{m}-sync": {**DECODE_MODES[m], "defer_readback": False} for m in ("graphs", "fused")})
     for batch in batches:
-        for mode, kw in DECODE_MODES.items():
-            if mode == "fused" and batch > DECODE_MODES["fused"]["fused_loop_rows"]:
+        for mode, kw in modes.items():
+            if mode.startswith("fused") and batch > DECODE_MODES["fused"]["fused_loop_rows"]:
                 continue
             e = engine(model, name, num_blocks=batch * 4 * (288 // 16) + 64, max_model_len=288, **kw)
             rng = random.Random(0)
@@ -105,6 +113,11 @@ def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 
         if f"{batch}-fused" in out:
             speedup = out[f"{batch}-graphs"]["token_s"] / out[f"{batch}-fused"]["token_s"]
             print(f"[decode] batch {batch:3d}: fused loop {speedup:.2f}x faster than per-layer graphs", flush=True)
+        for mode in ("graphs", "fused"):
+            if f"{batch}-{mode}-sync" in out:
+                speedup = out[f"{batch}-{mode}-sync"]["token_s"] / out[f"{batch}-{mode}"]["token_s"]
+                print(f"[decode] batch {batch:3d} {mode}: deferred read-back {speedup:.2f}x faster than "
+                      f"reading each sample first", flush=True)
     return out
 
 
@@ -303,6 +316,7 @@ def main() -> None:
     ap.add_argument("--model", default="ouro-1.4b-shape")
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-batches", default="1,8,64,256", help="part 1's batch sizes")
+    ap.add_argument("--sync-readback", action="store_true", help="part 1 also with defer_readback off")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
@@ -312,7 +326,8 @@ def main() -> None:
     results = {"baseline": base, "command": "python " + " ".join(sys.argv)}
     model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0) if parts & {"1", "2", "3", "p"} else None
     for key, fn in (("1", lambda: part_decode(model, args.model, base,
-                                              tuple(int(b) for b in args.decode_batches.split(",")))),
+                                              tuple(int(b) for b in args.decode_batches.split(",")),
+                                              args.sync_readback)),
                     ("2", lambda: part_prefill(model, args.model, base)),
                     ("3", lambda: part_refill(model, args.model)),
                     ("4", lambda: part_nixl(base)),

@@ -36,6 +36,10 @@ class EngineConfig(BaseModel):
     preemption_mode: Literal["keep", "offload"] = "keep"
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool = False
+    # A CODA's sampled ids stay on the device for the next PRELUDE; the host reads them once
+    # that is launched (no GPU idle between a token's sample and its next loop). A stop token
+    # is then seen one PRELUDE late (its work is dropped). No effect with role='prefill'.
+    defer_readback: bool = True
     role: Literal["colocated", "prefill", "decode"] = "colocated"
     max_waiting: int = Field(4096, ge=1)
     cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs

@@ -9,6 +9,7 @@ import itertools
 import logging
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from loopserve.engine.model_runner import ModelRunner
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.outputs import EngineCounters, RequestOutput
 from loopserve.engine.request import Request
-from loopserve.engine.sampler import Sample, sample_rows
+from loopserve.engine.sampler import DrawnTokens, Sample, draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
@@ -37,6 +38,15 @@ from loopserve.scheduler import (
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNREAD = -1  # the token a deferred sample reports to the scheduler (which counts, never reads, them)
+
+
+@dataclass
+class _Unread:
+    """A CODA's samples not yet applied on the host (defer_readback)."""
+
+    drawn: DrawnTokens
+    rows: dict[str, tuple[int, int]]  # request -> (row in drawn, position that produced it)
 
 
 class EngineCore:
@@ -94,6 +104,9 @@ class EngineCore:
         self._executor = ThreadPoolExecutor(1, "loopserve-exec") if config.async_scheduling else None
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._handoffs: list[HandoffMessage] = []
+        # A prefill engine hands its request over right after the CODA: nothing to overlap.
+        self._defer = config.defer_readback and config.role != "prefill"
+        self._unread: list[_Unread] = []  # oldest first; at most one per request
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -154,13 +167,19 @@ class EngineCore:
         if not req.finished:
             req.finish_reason = "abort"
             self.counters.requests_aborted += 1
-        self._pending_outputs.append(req.take_output())
+        if not req.final_sent:
+            self._pending_outputs.append(req.take_output())
         self._retire(request_id)
 
     def _retire(self, request_id: str) -> None:
         """Forget a finished request once no batch in flight still holds it."""
-        if self._inflight and any(i.request_id == request_id for i in self._inflight[0].items):
+        st = self.scheduler.get_request(request_id)
+        if st is not None and st.in_flight:
             return
+        if self._unread:  # a sample of an aborted request is never read
+            for u in self._unread:
+                u.rows.pop(request_id, None)
+            self._unread = [u for u in self._unread if u.rows]
         self.requests.pop(request_id, None)
         self.runner.drop(request_id)
 
@@ -173,27 +192,73 @@ class EngineCore:
         self.runner.apply_kv_moves(out.swap_out, self.kv_manager.pop_new_blocks(), out.swap_in)
         self.counters.preemptions += len(out.preempted)
         batch = out.batch
+        if batch is not None and self._unread and batch.operation is Operation.CODA:
+            # A request's samples reach the host in order and its next draw is numbered after
+            # them: read its last one first (long done: its PRELUDE and loops ran since).
+            self._read_back({i.request_id for i in batch.items}, wait=True)
         if self._executor is None:
             if batch is not None:
-                self._finish(batch, self._execute(batch))
+                result = self._execute(batch)
+                self._read_back()  # while the device runs this batch
+                self._finish(batch, *result)
         else:
             fut = self._executor.submit(self._execute, batch) if batch is not None else None
             if self._inflight is not None:
                 prev, prev_fut = self._inflight
                 self._inflight = None
-                self._finish(prev, prev_fut.result())
+                self._finish(prev, *prev_fut.result())
             self._inflight = (batch, fut) if fut is not None else None
+            self._read_back()
+        if batch is None and self._unread:
+            self._read_back(wait=True)  # nothing was launched to overlap the wait with
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _finish(self, batch: ScheduledBatch, result: BatchResult) -> None:
+    def _read_back(self, only: set[str] | None = None, wait: bool = False) -> None:
+        """Apply deferred samples on the host: those already drawn, or (wait) those of `only`.
+
+        A token that stops its request was seen after the request's next work was scheduled:
+        the request ends here, its work in flight is dropped when the batch retires.
+        """
+        if not self._unread:
+            return
+        got: list[Request] = []
+        for u in list(self._unread):
+            rids = list(u.rows) if only is None else [r for r in u.rows if r in only]
+            if not rids or not (wait or u.drawn.ready()):
+                continue
+            samples = u.drawn.samples()
+            for rid in rids:
+                row, pos = u.rows.pop(rid)
+                req = self.requests.get(rid)
+                if req is None or req.final_sent:  # aborted meanwhile
+                    continue
+                req.append(samples[row], pos)
+                self.counters.tokens_generated += 1
+                got.append(req)
+            if not u.rows:
+                self._unread.remove(u)
+        for req in got:
+            if not req.finished:
+                self._pending_outputs.append(req.take_output())
+            elif self.scheduler.stop(req.request_id):
+                self.counters.requests_finished += 1
+                self._pending_outputs.append(req.take_output())
+                self._retire(req.request_id)
+            # else the scheduler ended it in the batch being retired, which reports it
+
+    def _finish(self, batch: ScheduledBatch, result: BatchResult, unread: _Unread | None = None) -> None:
+        if unread is not None:
+            self._unread.append(unread)
         events = self.scheduler.update(batch, result)
+        if self._unread and events.finished:
+            self._read_back(set(events.finished), wait=True)  # their last tokens, before the final output
         touched = {i.request_id for i in batch.items}
         for rid in touched:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.finish_reason == "abort":
+            if req.final_sent:  # ended outside this batch: aborted, or a stop read back late
                 self._retire(rid)
                 continue
             if req._new_tokens or req.finished:
@@ -284,28 +349,30 @@ class EngineCore:
         }
 
     # ------------------------------------------------------------------ execution
-    def _execute(self, batch: ScheduledBatch) -> BatchResult:
+    def _execute(self, batch: ScheduledBatch) -> tuple[BatchResult, _Unread | None]:
         reqs = {i.request_id: self.requests[i.request_id] for i in batch.items}
         tables = {rid: self.kv_manager.block_table(rid) for rid in reqs}
         op = batch.operation
         self.counters.batches[op.value] += 1
         if op is Operation.PRELUDE:
             self.runner.prelude(batch, reqs, tables)
-            return BatchResult({i.request_id: ItemResult() for i in batch.items})
+            return BatchResult({i.request_id: ItemResult() for i in batch.items}), None
         if op is Operation.RECURRENT:
             self.counters.loops_run += sum(len(i.positions) for i in batch.items)
             exited = self.runner.recurrent(batch, reqs, tables, self._draft_loops())
-            return BatchResult({i.request_id: ItemResult(exited=exited[i.request_id]) for i in batch.items})
+            return BatchResult({i.request_id: ItemResult(exited=exited[i.request_id]) for i in batch.items}), None
         logits = self.runner.coda(batch, reqs, tables)
-        return BatchResult(self._sample(batch.items, reqs, logits))
+        results, unread = self._sample(batch.items, reqs, logits)
+        return BatchResult(results), unread
 
     def _draft_loops(self) -> int:
         return self.config.speculative.draft_loops if self.config.speculative else 0
 
     def _sample(self, items: list[BatchItem], reqs: dict[str, Request],
-                logits: dict[str, torch.Tensor | None]) -> dict[str, ItemResult]:
-        """Every item's CODA result; ordinary next tokens are sampled in one call for the
-        whole batch (one device sync, not one per request)."""
+                logits: dict[str, torch.Tensor | None]) -> tuple[dict[str, ItemResult], _Unread | None]:
+        """Every item's CODA result; ordinary next tokens are drawn in one call for the whole
+        batch (at most one device sync, not one per request), and with defer_readback not read
+        here: they stay on the device for the next PRELUDE and come back as `_Unread`."""
         out: dict[str, ItemResult] = {}
         plain: list[BatchItem] = []
         for item in items:
@@ -321,15 +388,24 @@ class EngineCore:
                 out[item.request_id] = self._accept(item, req, lg)
             else:
                 plain.append(item)
+        unread = None
         if plain:
             mine = [reqs[i.request_id] for i in plain]
-            samples = sample_rows(torch.stack([logits[i.request_id][0] for i in plain]), [r.params for r in mine],
-                                  [r.seed for r in mine], [len(r.output_token_ids) for r in mine])
-            for item, req, s in zip(plain, mine, samples):
-                req.append(s, item.logits_positions[0])
-                self.counters.tokens_generated += 1
-                out[item.request_id] = ItemResult(sampled=(s.token_id,), finished=req.finished)
-        return {i.request_id: out[i.request_id] for i in items}
+            drawn = draw_tokens(torch.stack([logits[i.request_id][0] for i in plain]), [r.params for r in mine],
+                                [r.seed for r in mine], [len(r.output_token_ids) for r in mine])
+            if self._defer:
+                rids = [i.request_id for i in plain]
+                produced = [i.logits_positions[0] for i in plain]
+                self.runner.keep_tokens(rids, [p + 1 for p in produced], drawn.token_ids)
+                unread = _Unread(drawn, {rid: (k, p) for k, (rid, p) in enumerate(zip(rids, produced))})
+                for rid in rids:  # the scheduler sees max_tokens itself; stop tokens come later
+                    out[rid] = ItemResult(sampled=(UNREAD,))
+            else:
+                for item, req, s in zip(plain, mine, drawn.samples()):
+                    req.append(s, item.logits_positions[0])
+                    self.counters.tokens_generated += 1
+                    out[item.request_id] = ItemResult(sampled=(s.token_id,), finished=req.finished)
+        return {i.request_id: out[i.request_id] for i in items}, unread
 
     def _accept(self, item: BatchItem, req: Request, logits: torch.Tensor) -> ItemResult:
         """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with."""

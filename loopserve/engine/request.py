@@ -25,6 +25,7 @@ class Request:
     text: str = ""
     first_token_time: float | None = None
     finish_reason: str | None = None
+    final_sent: bool = False  # the finished output went out: nothing more is streamed
     # Not yet streamed:
     _new_tokens: list[int] = field(default_factory=list)
     _new_depths: list[int] = field(default_factory=list)
@@ -114,6 +115,7 @@ class Request:
             prompt_token_ids=None if self._prompt_sent else tuple(self.prompt_token_ids),
         )
         self._prompt_sent = True
+        self.final_sent = self.finished
         self._new_tokens, self._new_depths, self._new_times = [], [], []
         self._new_logprobs, self._new_top = [], []
         return out

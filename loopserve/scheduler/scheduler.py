@@ -124,6 +124,15 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Abort at any status. Resources of a request in flight go when its batch retires."""
+        return self._end(request_id, aborted=True)
+
+    def stop(self, request_id: str) -> bool:
+        """Finish a request on a stop condition the engine saw outside a batch result (a
+        sample read back after the request's next work was scheduled). As abort(), but it
+        counts as finished. False when the request was already finished or unknown."""
+        return self._end(request_id, aborted=False)
+
+    def _end(self, request_id: str, aborted: bool) -> bool:
         st = self._reqs.get(request_id)
         if st is None or st.status is S.FINISHED:
             return False
@@ -134,7 +143,10 @@ class Scheduler:
         elif st.status is S.RECEIVING:
             self._landed.pop(request_id, None)
         self._set_status(st, S.FINISHED)
-        self.num_aborted += 1
+        if aborted:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
         if not st.in_flight:
             self._release(st)
         return True

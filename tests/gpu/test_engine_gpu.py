@@ -127,3 +127,32 @@ def test_cuda_graph_decode_equals_eager(family):
         got[graphs] = outs
         assert (e.runner.graphs is not None and e.runner.graphs.runs > 0) == graphs
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
+def test_cuda_deferred_readback_equals_immediate(family):
+    """defer_readback on the GPU: PRELUDE graphs embed sampled ids from the token slots while
+    their copies to the host are still under way; stop tokens seen late drop the work after
+    them. Streams equal the immediate read-back's; after the slots grow (old memory poisoned
+    with a wrong id) the PRELUDE graphs are captured again."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
+    work = workload(seed=3, n=8, max_tokens=16)
+    free = _run(_engine(family, model, "float32", defer_readback=False), work)
+    work = [(rid, p, replace(s, stop_token_ids=[free[rid][3]]) if k % 2 else s)
+            for k, (rid, p, s) in enumerate(work)]
+    want = _run(_engine(family, model, "float32", defer_readback=False), work)
+    e = _engine(family, model, "float32")
+    assert _run(e, work) == want
+    assert sum(len(t) < 16 for t in want.values()) >= 3  # stops happened
+    tokens, runs = e.runner.tokens, e.runner.graphs.runs
+    old, version = tokens.ids, tokens.version
+    n = old.shape[0] + 1
+    tokens.put([f"grow{i}" for i in range(n)], [0] * n, torch.zeros(n, dtype=torch.int64, device="cuda"))
+    for i in range(n):
+        tokens.drop(f"grow{i}")
+    assert tokens.version > version
+    old.fill_(7)
+    second = [(f"second-{rid}", p, s) for rid, p, s in workload(seed=4, n=3)]
+    _check_dense(model, second, _run(e, second))
+    assert e.runner.graphs.runs > runs

@@ -41,6 +41,25 @@ def test_abort_in_flight_frees_only_when_the_batch_retires():
     e.sched.assert_invariants()
 
 
+def test_stop_ends_a_request_as_finished_in_flight_or_queued():
+    """stop(): the engine saw a stop token after the request's next work was scheduled."""
+    e = engine_for(max_lag=0)
+    add(e, 0, max_tokens=8)
+    add(e, 1, max_tokens=8)
+    out = e.sched.schedule()  # r0 (and r1) in flight
+    assert {i.request_id for i in out.batch.items} == {"r0", "r1"}
+    assert e.sched.stop("r0")
+    assert e.sched.get_request("r0").status is S.FINISHED and "r0" in e.sched.admission_slots
+    assert not e.sched.stop("r0") and not e.sched.abort("r0") and not e.sched.stop("nope")
+    e.sched.update(out.batch, BatchResult({"r1": ItemResult()}))
+    assert e.sched.get_request("r0") is None and "r0" not in e.sched.admission_slots
+    assert e.sched.get_request("r1").status is S.ACTIVE and e.sched.stop("r1")  # queued, not in flight
+    assert e.sched.get_request("r1") is None and not e.sched.queues.pending
+    assert (e.sched.num_finished, e.sched.num_aborted) == (2, 0)
+    assert e.sched.kv.usage().used_blocks == 0
+    e.sched.assert_invariants()
+
+
 def reach(e, rid, pred, limit=300):
     for _ in range(limit):
         st = e.sched.get_request(rid)
