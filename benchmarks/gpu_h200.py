@@ -202,7 +202,7 @@ def part_nixl(base: dict) -> dict:
 
     # Ouro-1.4B's KV block: 24 layers x K/V x 16 tokens x 16 heads x 128 dims (bf16) = 3 MiB;
     # 2048 blocks = an 8k-token prompt's KV on its 4 loop planes (6 GiB)
-    nblk, shape = 2048, (2048, 24, 2, 16, 16, 128)
+    shape = (2048, 24, 2, 16, 16, 128)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_nixl_owner, args=(b, shape, 16, True))

@@ -18,7 +18,7 @@ from loopserve.kv_cache import BlockTable, KVLayout
 from loopserve.model.batch import HostBatch, LoopState, ModelBatch, device_tensor, host_batch
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
-from loopserve.scheduler import BatchItem, Operation, ScheduledBatch
+from loopserve.scheduler import Operation, ScheduledBatch
 
 
 class ModelRunner:

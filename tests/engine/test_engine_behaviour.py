@@ -6,7 +6,7 @@ import pytest
 
 from loopserve.engine.llm import AsyncLLM, LLM
 from loopserve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import make_engine, model_for, run_to_completion, workload
+from tests.engine.conftest import make_engine, run_to_completion, workload
 
 
 def sampled(engine_kw, family, extra_requests):
