@@ -123,9 +123,3 @@ def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
         lp = (logprobs.gather(1, ids[:, None])[:, 0], top.values if top else empty,
               top.indices if top else empty.long())
     return DrawnTokens(ids, params, lp)
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                draw_index: list[int]) -> list[Sample]:
-    """Sample one token per row of `logits` [n, V], read on the host at once."""
-    return draw_tokens(logits, params, seeds, draw_index).samples()
