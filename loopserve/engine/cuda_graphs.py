@@ -50,7 +50,7 @@ class DecodeGraphs:
         self.device = device
         self._inputs: dict[int, torch.Tensor] = {}  # padded size -> its packed static batch
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._slab_version: object = None  # the state and token slabs the graphs were captured on
+        self._slab_version: int | None = None  # the state slab the graphs were captured on
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.runs = 0  # batches served through the padded path (replays when capturing)
 
@@ -61,10 +61,10 @@ class DecodeGraphs:
                 and (hb.logits_indices is None or len(hb.logits_indices) == t)
                 and hb.width <= self.width)
 
-    def run(self, hb: HostBatch, forward: Forward, slab_version: object):
+    def run(self, hb: HostBatch, forward: Forward, slab_version: int):
         """forward(batch) for a decode-shaped batch: its padded fields go to the static buffer
         in one host-to-device copy, then the graph replays (captured on first use, and again
-        once a device buffer the Operations read by address has moved: `slab_version`)."""
+        once the state slab has moved: `slab_version`)."""
         t = hb.num_rows
         p = _bucket(t, self.sizes)
         ctx = max(MIN_CONTEXT_BUCKET, 1 << max(max(hb.context_lens) - 1, 0).bit_length())
@@ -105,7 +105,7 @@ def _decode_view(mb: ModelBatch) -> ModelBatch:
     """The Operation's own fields of a padded batch (whose layout carries all of them)."""
     op = mb.operation
     if op is not Operation.PRELUDE:
-        mb.token_ids = mb.token_src = mb.seeds = None
+        mb.token_ids = mb.seeds = None
     if op is not Operation.CODA:
         mb.logits_indices = None
     return mb

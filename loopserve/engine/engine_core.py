@@ -431,15 +431,15 @@ class EngineCore:
         }
 
     def check_no_leaks(self) -> None:
-        """Pool accounting, and (when idle) every block, token slot and unread sample gone."""
+        """Pool accounting, and (when idle) every block, state slab row and unread sample gone."""
         self.kv_manager.check()
         if not self.has_unfinished():
             u = self.kv_manager.usage()
             if u.used_blocks:
                 raise AssertionError(f"idle engine still holds KV blocks: {u}")
-            if len(self.runner.tokens) or self._unread:
-                raise AssertionError(f"idle engine still holds {len(self.runner.tokens)} token slots and "
-                                     f"{len(self._unread)} unread samples")
+            if self.runner.states.rows_in_use or self._unread:
+                raise AssertionError(f"idle engine still holds {self.runner.states.rows_in_use} state slab rows "
+                                     f"and {len(self._unread)} unread samples")
 
     def shutdown(self) -> None:
         if self._executor is not None:

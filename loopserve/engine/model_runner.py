@@ -13,7 +13,6 @@ import torch
 from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
-from loopserve.engine.token_store import TokenStore
 from loopserve.kv_cache import BlockTable, KVLayout
 from loopserve.model.batch import HostBatch, LoopState, ModelBatch, device_tensor, host_batch
 from loopserve.model.exit_rule import exit_mask, exit_without_score
@@ -30,7 +29,6 @@ class ModelRunner:
         self.kv = PagedKVCache(model.kv_spec, layout.block_size, layout.num_blocks,
                                layout.num_flat_blocks, dtype, device)
         self.states = StateStore(model.state_dim, dtype, device)
-        self.tokens = TokenStore(device)
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.graphs: DecodeGraphs | None = None
         self._ops = {Operation.PRELUDE: self._prelude_op, Operation.RECURRENT: self._recurrent_op,
@@ -47,12 +45,12 @@ class ModelRunner:
         RECURRENT's exit scores or CODA's logits."""
         fn = self._ops[hb.operation]
         if self.graphs is not None and self.graphs.applies(hb):
-            return self.graphs.run(hb, fn, (self.states.version, self.tokens.version))
+            return self.graphs.run(hb, fn, self.states.version)
         return fn(hb.to(self.device))
 
     def _prelude_op(self, mb: ModelBatch) -> None:
-        if mb.token_src is not None:  # (a new batch object: a graph's static one is captured twice)
-            mb = dataclasses.replace(mb, token_ids=self.tokens.embed_ids(mb.token_ids, mb.token_src))
+        # (a new batch object: a graph's static one is captured twice)
+        mb = dataclasses.replace(mb, token_ids=self.states.embed_ids(mb.token_ids, mb.state_in))
         state = self.model.prelude(mb, self.kv)
         self.states.put(mb.state_out, state.hidden, state.aux)
 
@@ -88,13 +86,13 @@ class ModelRunner:
 
     def drop(self, request_id: str) -> None:
         self.states.drop(request_id)
-        self.tokens.drop(request_id)
         self._host.pop(request_id, None)
 
     def keep_tokens(self, request_ids: list[str], positions: list[int], ids: torch.Tensor) -> None:
         """Sampled ids (on the device) that the requests' PRELUDEs at `positions` embed: the
-        host need not have read them by then."""
-        self.tokens.put(request_ids, positions, ids)
+        host need not have read them by then. They wait in those positions' slab rows."""
+        rows = self.states.rows([(rid, [p]) for rid, p in zip(request_ids, positions)], assign=True)
+        self.states.put_tokens(device_tensor(rows, torch.int64, self.device), ids)
 
     # ------------------------------------------------------------------ batch building
     def _batch(self, batch: ScheduledBatch, reqs: dict[str, Request], tables: dict[str, BlockTable],
@@ -106,23 +104,17 @@ class ModelRunner:
             seg_blocks = [tables[i.request_id].depth[plane(i.depth) - 1] for i in items]
         else:
             seg_blocks = [tables[i.request_id].flat for i in items]
-        token_ids = token_src = seeds = logits_indices = None
+        token_ids = seeds = logits_indices = None
         if with_tokens:
-            token_ids, seeds, fed = [], [], []  # fed: (row, slot) of tokens still only on the device
-            take = self.tokens.take if len(self.tokens) else None
+            token_ids, seeds = [], []
+            held = self.states.holds
             for i in items:
                 req, ps = reqs[i.request_id], i.positions
-                slot = take(i.request_id, ps[0]) if take is not None and len(ps) == 1 else -1
-                if slot >= 0:
-                    fed.append((len(token_ids), slot))
-                    token_ids.append(0)
+                if len(ps) == 1 and held(i.request_id, ps[0]):
+                    token_ids.append(-1)  # a sampled id kept in its slab row (keep_tokens)
                 else:
                     token_ids += req.tokens_at(ps)
                 seeds += [req.seed] * len(ps)
-            if fed:
-                token_src = [-1] * len(token_ids)
-                for row, slot in fed:
-                    token_src[row] = slot
         if op is Operation.CODA:
             logits_indices, row = [], 0
             for item in batch.items:
@@ -131,8 +123,7 @@ class ModelRunner:
                 row += len(item.positions)
         rows = self.states.rows([(i.request_id, list(i.positions)) for i in items], assign=op is Operation.PRELUDE)
         return host_batch(op, [i.positions for i in items], seg_blocks, self.layout.block_size,
-                          [i.depth for i in items], token_ids=token_ids, token_src=token_src, seeds=seeds,
-                          logits_indices=logits_indices,
+                          [i.depth for i in items], token_ids=token_ids, seeds=seeds, logits_indices=logits_indices,
                           state_in=rows, state_out=rows)
 
     # ------------------------------------------------------------------ operations

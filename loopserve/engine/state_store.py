@@ -6,6 +6,10 @@ slab (a free list of slab rows), so a batch's state moves with one gather and on
 whatever the number of requests in it: per-request tensors cost two small kernels and a
 host-to-device index copy per request per Operation, which dominated large decode batches.
 
+A row can also hold a token id (`tokens`): with defer_readback a CODA's sampled id is put
+in the row of the position it feeds, before that position's PRELUDE, which embeds it from
+there (`embed_ids`) whether or not the host has read it yet.
+
 Two slab rows are never handed out: ZERO (hidden 0, aux 1) is what padding rows of a CUDA-graph
 batch gather, SINK is where they scatter, so a graph can gather and scatter the state itself
 with one static index per row. Captured graphs hold the slab's address: `version` changes when
@@ -26,6 +30,7 @@ class StateStore:
         capacity += SINK + 1
         self.hidden = torch.empty(capacity, width, dtype=dtype, device=device)
         self.aux = torch.empty(capacity, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.hidden[ZERO].zero_()
         self.aux[ZERO] = 1.0
         self._free = list(range(capacity - 1, SINK, -1))
@@ -37,6 +42,7 @@ class StateStore:
         new = max(2 * old, old + need)
         self.hidden = torch.cat([self.hidden, self.hidden.new_empty(new - old, self.width)])
         self.aux = torch.cat([self.aux, self.aux.new_empty(new - old)])
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(new - old)])
         self._free[:0] = range(new - 1, old - 1, -1)  # popped from the end: low rows first
         self.version += 1
 
@@ -62,6 +68,16 @@ class StateStore:
     def put(self, rows: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor) -> None:
         self.hidden.index_copy_(0, rows, hidden.to(self.dtype))
         self.aux.index_copy_(0, rows, aux.float())
+
+    def holds(self, request_id: str, position: int) -> bool:
+        return position in self._rows.get(request_id, ())
+
+    def put_tokens(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        self.tokens.index_copy_(0, rows, ids)
+
+    def embed_ids(self, token_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A PRELUDE's token ids: those the host left -1 come from the rows' slab tokens."""
+        return torch.where(token_ids >= 0, token_ids, self.tokens.index_select(0, rows))
 
     def drop(self, request_id: str) -> None:
         self._free += self._rows.pop(request_id, {}).values()

@@ -56,10 +56,7 @@ class ModelBatch:
     positions: torch.Tensor  # [T]
     depths: torch.Tensor  # [T] loop being run (RECURRENT), else 0
     attn: AttnMetadata
-    token_ids: torch.Tensor | None = None  # [T] (PRELUDE)
-    # [T] (PRELUDE) where a row's token id is still only on the device: a slot of the engine's
-    # TokenStore, -1 = token_ids holds it (the model ignores it; the runner resolves it)
-    token_src: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None  # [T] (PRELUDE); -1: the id is in the row's state slab row
     seeds: torch.Tensor | None = None  # [T] int64 per-row request seed (Huginn initial state)
     logits_indices: torch.Tensor | None = None  # [n] rows whose logits CODA returns
     # [T] engine slab rows each row's loop state is read from / written to (the model ignores them)
@@ -79,7 +76,7 @@ class LoopState:
     aux: torch.Tensor  # [T] fp32
 
 
-_OPTIONAL64 = ("token_ids", "token_src", "seeds", "logits_indices", "state_in", "state_out")  # HostBatch's optional fields
+_OPTIONAL64 = ("token_ids", "seeds", "logits_indices", "state_in", "state_out")  # HostBatch's optional fields
 
 
 @dataclass
@@ -102,7 +99,6 @@ class HostBatch:
     block_size: int
     seg_num_blocks: list[int]
     token_ids: list[int] | None = None
-    token_src: list[int] | None = None
     seeds: list[int] | None = None
     logits_indices: list[int] | None = None
     state_in: list[int] | None = None
@@ -130,8 +126,7 @@ class HostBatch:
             self.operation, list(range(rows + 1)), self.positions + [0] * pad, self.slot_mapping + [-1] * pad,
             self.depths + self.depths[:1] * pad, self.context_lens + [1] * pad, table + [0] * (pad * width),
             width, self.block_size, self.seg_num_blocks + [1] * pad,
-            (self.token_ids or [0] * t) + [0] * pad, (self.token_src or [-1] * t) + [-1] * pad,
-            (self.seeds or [0] * t) + [0] * pad, list(range(rows)),
+            (self.token_ids or [0] * t) + [0] * pad, (self.seeds or [0] * t) + [0] * pad, list(range(rows)),
             (self.state_in or [state_in_pad] * t) + [state_in_pad] * pad,
             (self.state_out or [state_out_pad] * t) + [state_out_pad] * pad)
 
@@ -211,8 +206,8 @@ def host_batch(operation: Operation, seg_positions: list[Sequence[int]], seg_blo
     and loop depth; the segments' rows follow each other in the batch.
 
     An empty block list means the plane does not exist for this Operation (e.g. Ouro's
-    embedding-only PRELUDE): no slots. `fields`: token_ids, token_src, seeds, logits_indices,
-    state_in, state_out.
+    embedding-only PRELUDE): no slots. `fields`: token_ids, seeds, logits_indices, state_in,
+    state_out.
     """
     starts, ctx, nblk, positions, slots, depths = [0], [], [], [], [], []
     for s, (ps, blocks) in enumerate(zip(seg_positions, seg_blocks)):

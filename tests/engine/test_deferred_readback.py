@@ -15,7 +15,7 @@ import torch
 
 from loopserve.engine.sampler import DrawnTokens
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.engine.token_store import TokenStore
+from loopserve.engine.state_store import StateStore
 from tests.engine.conftest import make_engine, workload
 
 CONFIGS = {
@@ -35,7 +35,7 @@ def lagging(monkeypatch):
 
 def stream(family, work, defer, graphs=False, **cfg):
     e = make_engine(family, defer_readback=defer, **cfg)
-    if graphs:  # the CUDA-graph path's CPU twin: PRELUDE rows name token slots in the static buffer
+    if graphs:  # the CUDA-graph path's CPU twin: PRELUDE rows read kept ids from the slab
         e.runner.use_graphs(cfg["max_num_seqs"], 128 // 4, capture=False)
     for rid, prompt, params in work:
         e.add_request(prompt, params, request_id=rid)
@@ -44,7 +44,7 @@ def stream(family, work, defer, graphs=False, **cfg):
         for o in e.step():
             got.setdefault(o.request_id, []).append(o)
         e.scheduler.assert_invariants()
-    e.check_no_leaks()  # (token slots and unread samples included)
+    e.check_no_leaks()  # (slab rows and unread samples included)
     final = {rid: [o for o in outs if o.finished] for rid, outs in got.items()}
     assert all(len(f) == 1 and f[0] is outs[-1] for f, outs in zip(final.values(), got.values())), \
         "exactly one finished output per request, and nothing after it"
@@ -116,28 +116,25 @@ def test_abort_with_a_sample_unread(family, lagging):
     while e.has_unfinished():
         outs += e.step()
         e.scheduler.assert_invariants()
-    e.check_no_leaks()  # its sample was dropped unread, its token slot freed
+    e.check_no_leaks()  # its sample was dropped unread, its slab row freed
     mine = [o for o in outs if o.request_id == rid]
     assert held and mine[-1].finish_reason == "abort" and sum(o.finished for o in mine) == 1
 
 
-def test_token_store_slots():
-    s = TokenStore(torch.device("cpu"), capacity=2)
-    s.put(["a", "b"], [5, 9], torch.tensor([11, 22]))
-    assert s.take("a", 6) == -1 and s.take("z", 5) == -1  # only the position it feeds
-    sa = s.take("a", 5)
-    assert sa >= 0 and s.take("a", 5) == -1 and len(s) == 1
+def test_slab_rows_carry_kept_tokens_across_growth():
+    s = StateStore(4, torch.float32, torch.device("cpu"), capacity=2)
+    rows = s.rows([("a", [5]), ("b", [9])], assign=True)
+    s.put_tokens(torch.tensor(rows), torch.tensor([11, 22]))
+    assert s.holds("a", 5) and not s.holds("a", 6) and not s.holds("z", 5)
     v = s.version
-    s.put(["c", "d"], [1, 2], torch.tensor([33, 44]))  # three held: grows
-    assert s.version == v + 1 and len(s) == 3
-    s.put(["b"], [10], torch.tensor([55]))  # a newer token replaces the older one
-    assert s.take("b", 9) == -1
-    slots = [s.take("c", 1), s.take("d", 2), s.take("b", 10)]
-    ids = s.embed_ids(torch.tensor([7, 0, 0, 0]), torch.tensor([-1, *slots]))
-    assert ids.tolist() == [7, 33, 44, 55] and len(s) == 0
-    s.put(["e"], [3], torch.tensor([66]))
-    s.drop("e")
-    assert len(s) == 0 and s.take("e", 3) == -1
+    more = s.rows([("c", [1]), ("d", [2])], assign=True)  # four held: grows
+    s.put_tokens(torch.tensor(more), torch.tensor([33, 44]))
+    assert s.version > v
+    ids = s.embed_ids(torch.tensor([7, -1, -1, -1, -1]), torch.tensor([rows[0], *rows, *more]))
+    assert ids.tolist() == [7, 11, 22, 33, 44]  # only the rows the host left -1 read the slab
+    for rid in "abcd":
+        s.drop(rid)
+    assert s.rows_in_use == 0 and not s.holds("a", 5)
 
 
 def test_prefill_role_reads_back_at_once():

@@ -56,7 +56,7 @@ def _check_dense(model, work, outs) -> None:
 def test_decode_graphs_follow_a_growing_state_slab():
     """Graphs gather and scatter the loop state in the slab itself: once the slab grows (new
     memory) after a first wave captured them, they are captured again. The old slab is
-    poisoned with NaN, so a graph still reading it would emit wrong tokens."""
+    poisoned (NaN state, a wrong kept token id), so a graph still reading it would emit wrong tokens."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = resolve_model("tiny-ouro", dtype=torch.float32, device="cuda", seed=0)
     e = _engine("tiny-ouro", model, "float32", fused_loop="off")
@@ -64,12 +64,12 @@ def test_decode_graphs_follow_a_growing_state_slab():
     _check_dense(model, first, _run(e, first))
     states, runs = e.runner.states, e.runner.graphs.runs
     assert runs > 0
-    old, version = (states.hidden, states.aux), states.version
+    old, version = (states.hidden, states.aux, states.tokens), states.version
     states.rows([("grow", list(range(states.capacity + 1)))], assign=True)
     states.drop("grow")
     assert states.version > version
     for t in old:
-        t.fill_(float("nan"))
+        t.fill_(float("nan") if t.is_floating_point() else 7)  # (kept token ids: a wrong id)
     second = [(f"second-{rid}", p, s) for rid, p, s in workload(seed=2, n=3)]
     _check_dense(model, second, _run(e, second))
     assert e.runner.graphs.runs > runs
@@ -131,10 +131,9 @@ def test_cuda_graph_decode_equals_eager(family):
 
 @pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
 def test_cuda_deferred_readback_equals_immediate(family):
-    """defer_readback on the GPU: PRELUDE graphs embed sampled ids from the token slots while
+    """defer_readback on the GPU: PRELUDE graphs embed sampled ids from the state slab while
     their copies to the host are still under way; stop tokens seen late drop the work after
-    them. Streams equal the immediate read-back's; after the slots grow (old memory poisoned
-    with a wrong id) the PRELUDE graphs are captured again."""
+    them. Streams equal the immediate read-back's."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
     work = workload(seed=3, n=8, max_tokens=16)
@@ -143,16 +142,5 @@ def test_cuda_deferred_readback_equals_immediate(family):
             for k, (rid, p, s) in enumerate(work)]
     want = _run(_engine(family, model, "float32", defer_readback=False), work)
     e = _engine(family, model, "float32")
-    assert _run(e, work) == want
+    assert _run(e, work) == want and e.runner.graphs.runs > 0
     assert sum(len(t) < 16 for t in want.values()) >= 3  # stops happened
-    tokens, runs = e.runner.tokens, e.runner.graphs.runs
-    old, version = tokens.ids, tokens.version
-    n = old.shape[0] + 1
-    tokens.put([f"grow{i}" for i in range(n)], [0] * n, torch.zeros(n, dtype=torch.int64, device="cuda"))
-    for i in range(n):
-        tokens.drop(f"grow{i}")
-    assert tokens.version > version
-    old.fill_(7)
-    second = [(f"second-{rid}", p, s) for rid, p, s in workload(seed=4, n=3)]
-    _check_dense(model, second, _run(e, second))
-    assert e.runner.graphs.runs > runs
