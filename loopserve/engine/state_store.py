@@ -40,9 +40,12 @@ class StateStore:
     def _grow(self, need: int) -> None:
         old = self.hidden.shape[0]
         new = max(2 * old, old + need)
-        self.hidden = torch.cat([self.hidden, self.hidden.new_empty(new - old, self.width)])
-        self.aux = torch.cat([self.aux, self.aux.new_empty(new - old)])
-        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(new - old)])
+        # Normal tensors, not inference tensors, whatever mode the caller runs in: the slab is
+        # written both inside the runner's inference_mode and outside it (put_tokens).
+        with torch.inference_mode(False):
+            self.hidden = torch.cat([self.hidden, self.hidden.new_empty(new - old, self.width)])
+            self.aux = torch.cat([self.aux, self.aux.new_empty(new - old)])
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(new - old)])
         self._free[:0] = range(new - 1, old - 1, -1)  # popped from the end: low rows first
         self.version += 1
 

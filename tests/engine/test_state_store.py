@@ -45,3 +45,15 @@ def test_slab_keeps_rows_across_growth_and_reuses_dropped_ones():
     s.rows([("x", list(range(cap)))], assign=True)  # every row is free again: no growth
     assert s.capacity == cap and len(set(s.rows([("x", list(range(cap)))]))) == cap
     assert not {ZERO, SINK} & set(s.rows([("x", list(range(cap)))]))  # the reserved rows stay out
+
+
+def test_slab_grown_inside_inference_mode_takes_tokens_outside_it():
+    """The runner grows the slab inside inference_mode; the engine keeps sampled ids in it
+    outside (keep_tokens): a grown slab must accept both (a 257-byte prompt crashed here)."""
+    s = StateStore(4, torch.float32, torch.device("cpu"), capacity=2)
+    with torch.inference_mode():
+        rows = s.rows([("a", list(range(5)))], assign=True)  # grows past the 2 initial rows
+        s.put(torch.tensor(rows), torch.ones(5, 4), torch.ones(5))
+    s.put_tokens(torch.tensor(rows[:2]), torch.tensor([7, 9]))
+    s.put(torch.tensor(rows[2:3]), torch.zeros(1, 4), torch.zeros(1))
+    assert s.embed_ids(torch.tensor([-1, 3, -1]), torch.tensor([rows[0], rows[2], rows[1]])).tolist() == [7, 3, 9]
