@@ -51,7 +51,7 @@ class DecodeGraphs:
         self._inputs: dict[int, torch.Tensor] = {}  # padded size -> its packed static batch
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._slab_version: int | None = None  # the state slab the graphs were captured on
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool = None  # the graphs' memory pool, one per slab version (run)
         self.runs = 0  # batches served through the padded path (replays when capturing)
 
     def applies(self, hb: HostBatch) -> bool:
@@ -78,6 +78,9 @@ class DecodeGraphs:
         if slab_version != self._slab_version:
             self._graphs.clear()
             self._slab_version = slab_version
+            # A fresh pool: the allocator keeps a pool whose graphs are all gone (use count 0)
+            # until it empties its cache, and capturing into it again fails an internal assert.
+            self._pool = torch.cuda.graph_pool_handle()
         key = (hb.operation, p, ctx)
         if key not in self._graphs:
             # the warm-up runs for real: its state goes to SINK, so the replay below starts

@@ -100,6 +100,9 @@ class OuroModel(LoopedModel):
         else:
             from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop  # Triton: only when asked
             self.fused_loop = OuroFusedLoop(self, max_rows)
+            # Stack the weights now: stacking later moves them, freeing the storage that CUDA
+            # graphs of the per-layer path captured before (an illegal memory access on replay).
+            self.fused_loop.stacked()
         return True
 
     def end_of_loop(self, h: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,14 +34,15 @@ class Case:
 
 def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, block_size: int,
               dtype: torch.dtype, device: str, seed: int = 0, layers: int = 2,
-              strided_q: bool = False, rope: str | None = None) -> Case:
+              strided_q: bool = False, rope: str | None = None, skip_blocks: int = 0) -> Case:
     """`strided_q` slices q, k and v out of one fused projection, as a model's qkv split does;
-    `rope` ("half" or "interleaved") hands both backends the rows' RoPE rotation."""
+    `rope` ("half" or "interleaved") hands both backends the rows' RoPE rotation;
+    `skip_blocks` zero blocks below the segments' (a pool past 2^31 elements, cheaply)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(max(ps) + 1) // block_size) if ps else 0 for ps in seg_positions]
     num_blocks = sum(need) + 3  # a few blocks no segment owns: they must stay untouched
-    free = rng.sample(range(num_blocks), num_blocks)
+    free = [skip_blocks + b for b in rng.sample(range(num_blocks), num_blocks)]
     tables = [[free.pop() for _ in range(n)] for n in need]
     rows_seg = [s for s, ps in enumerate(seg_positions) for _ in ps]
     rows_pos = [p for ps in seg_positions for p in ps]
@@ -52,6 +53,8 @@ def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, 
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     pool = randn(num_blocks, layers, 2, block_size, hkv, head_dim)
+    if skip_blocks:
+        pool = torch.cat([pool.new_zeros(skip_blocks, *pool.shape[1:]), pool])
     if strided_q:
         q, k, v = randn(t, hq + 2 * hkv, head_dim).split([hq, hkv, hkv], dim=1)
     else:

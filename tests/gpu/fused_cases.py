@@ -8,17 +8,21 @@ from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler.types import Operation
 
 
-def make_case(model, positions, depths, block_size, dtype, seed=0, pad_rows=0, device="cpu"):
+def make_case(model, positions, depths, block_size, dtype, seed=0, pad_rows=0, device="cpu", first_block=1):
     """A decode-shaped RECURRENT batch over a random KV pool (each row its own blocks); pad_rows
-    rows as a CUDA-graph batch pads them (slot -1, position 0, block 0)."""
+    rows as a CUDA-graph batch pads them (slot -1, position 0, block 0). `first_block`: where
+    the rows' blocks start (a large one makes a pool past 2^31 elements, zero below the rows')."""
     g = torch.Generator().manual_seed(seed)
-    tables, nxt = [], 1
+    tables, nxt = [], first_block
     for p in positions:
         n = p // block_size + 1
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
     kv = PagedKVCache(model.kv_spec, block_size, nxt, 0, dtype, torch.device(device))
-    kv.looped.copy_(torch.randn(kv.looped.shape, generator=g))
+    if first_block == 1:
+        kv.looped.copy_(torch.randn(kv.looped.shape, generator=g))
+    else:
+        kv.looped[first_block:] = torch.randn(kv.looped[first_block:].shape, generator=g).to(device, dtype)
     hb = host_batch(Operation.RECURRENT, [[p] for p in positions], tables, block_size, depths)
     if pad_rows:
         hb = hb.padded(len(positions) + pad_rows, hb.width, 0, 0)  # state rows: unused here

@@ -1,5 +1,6 @@
 """CUDA twins of the CPU equivalence tests (skipped without a GPU)."""
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.engine.state_store import StateStore
 from loopserve.model.registry import resolve_model
 from tests.engine.conftest import workload
 
@@ -144,3 +147,39 @@ def test_cuda_deferred_readback_equals_immediate(family):
     e = _engine(family, model, "float32")
     assert _run(e, work) == want and e.runner.graphs.runs > 0
     assert sum(len(t) < 16 for t in want.values()) >= 3  # stops happened
+
+
+LONG_PROMPTS = (300, 900, 1700, 2100)  # past the state slab's first rows, the 128/1024 context buckets
+
+
+@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
+def test_long_prompts_and_many_requests_with_the_gpu_defaults(family):
+    """Prompts past every initial capacity one after another (the state slab grows twice after
+    decode graphs were captured: captured again in a fresh pool), then more requests at once
+    than max_num_seqs, with the GPU defaults (graphs, fused loop, deferred read-back): tokens
+    equal an eager engine's (no graphs, no fused loop, immediate read-back) and, for the long
+    prompts, the dense reference's. On main 780fb73 this crashed in the allocator."""
+    assert LONG_PROMPTS[0] > StateStore(1, torch.float32, torch.device("cpu")).capacity
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = resolve_model(family, dtype=torch.float32, device="cuda", seed=0)
+    rng = random.Random(5)
+
+    def req(rid: str, n: int, thr: float) -> tuple:
+        return rid, [rng.randrange(256) for _ in range(n)], SamplingParams(
+            max_tokens=8, ignore_eos=True, exit_threshold=thr, seed=n)
+
+    waves = [[req(f"long-{n}", n, 1.0)] for n in LONG_PROMPTS]
+    waves.append([req(f"many-{i}", rng.randrange(1, 600), rng.choice([0.6, 1.0])) for i in range(24)])
+    got = {}
+    for eager in (True, False):
+        kw = dict(cuda_graphs=False, fused_loop="off", defer_readback=False) if eager else {}
+        e = EngineCore(EngineConfig(model=family, device="cuda", block_size=16, num_blocks=8192,
+                                    max_model_len=4096, max_num_seqs=16, **kw), model=model)
+        got[eager] = {}
+        for wave in waves:
+            got[eager].update(_run(e, wave))
+        assert (e.runner.graphs is None) == eager and (eager or e.runner.graphs.runs > 0)
+        if getattr(model, "fused_loop", None) is not None:
+            model.use_fused_loop(0)
+    assert got[False] == got[True]
+    _check_dense(model, [w[0] for w in waves[:-1]], got[True])

@@ -45,3 +45,15 @@ def test_fused_loop_bf16_variants(models, config):
     case = make_case(m, [17, 260, 3, 1000], [1, 2, 3, 4], 16, torch.bfloat16, device="cuda")
     compare(m, OuroFusedLoop(m, **config), case, atol=6e-2)
 
+
+
+def test_fused_loop_pool_past_two_to_the_31_elements(models):
+    """The fused loop's K/V write and attention address blocks past 2^31 pool elements."""
+    from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
+
+    m = models[torch.bfloat16]
+    per_block = 3 * 2 * 16 * 4 * 64  # looped layers, K/V, block_size, Hkv, head_dim
+    case = make_case(m, [17, 260, 3, 1000], [1, 2, 3, 4], 16, torch.bfloat16, device="cuda",
+                     first_block=(1 << 31) // per_block + 8)
+    assert case[0].looped.numel() > 1 << 31
+    compare(m, OuroFusedLoop(m), case, atol=6e-2)

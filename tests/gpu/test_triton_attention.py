@@ -81,3 +81,17 @@ def test_rope_fused_into_the_kv_write(rope, hq, hkv, head_dim):
                      seed=11, strided_q=True, rope=rope)
     assert_matches(case, TritonAttention())
     assert_matches(case, TritonAttention(dense_prefill_rows=None))
+
+
+@pytest.mark.parametrize("rope", [None, "half"])
+def test_pool_past_two_to_the_31_elements(rope):
+    """Block id x block stride past 2^31 elements (a large pool's upper blocks, as a 48 GiB
+    pool of the 1.4B shape has): the K/V write (plain and with RoPE fused in) and the paged
+    attention address them in 64 bits."""
+    per_block = 2 * 2 * 16 * 8 * 128  # layers, K/V, block_size, Hkv, head_dim
+    skip = (1 << 31) // per_block + 64
+    case = make_case([[c - 1] for c in (1, 17, 300, 2049)] + [list(range(700))], hq=32, hkv=8,
+                     head_dim=128, block_size=16, dtype=BF16, device="cuda", seed=12,
+                     strided_q=rope is not None, rope=rope, skip_blocks=skip)
+    assert case.meta.slot_mapping.min().item() // 16 * per_block > 1 << 31  # every row's slot
+    assert_matches(case, TritonAttention())

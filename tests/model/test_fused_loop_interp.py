@@ -140,3 +140,28 @@ def test_engine_with_fused_loop_matches_dense_reference():
         tokens, ref_depths = reference("tiny-ouro", prompt, params)
         assert outs[rid] == list(tokens), f"{rid}: tokens differ"
         assert depths[rid] == list(ref_depths), f"{rid}: exit depths differ"
+
+
+def test_weights_do_not_move_once_the_engine_is_built():
+    """CUDA graphs capture weight addresses: stacking the fused loop's weights at its first
+    batch-1 loop, after batch-2 graphs of the per-layer path were captured, freed the storage
+    those graphs read (an illegal memory access on the H200). Batches of 2 rows run first here."""
+    from tests.engine.conftest import make_engine, run_to_completion
+    from loopserve.engine.sampling_params import SamplingParams
+
+    engine = make_engine("tiny-ouro", fused_loop="on", fused_loop_rows=1)
+    try:
+        def pointers():
+            return {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+
+        built = pointers()
+        params = SamplingParams(max_tokens=3, ignore_eos=True, max_loops=2, exit_threshold=1.0)
+        for rid, n in (("a", 5), ("b", 7)):
+            engine.add_request(list(range(1, n + 1)), params, request_id=rid)
+        run_to_completion(engine)  # prompts, batch-2 decode
+        engine.add_request([3, 4], params, request_id="c")
+        run_to_completion(engine)  # batch-1 decode: the fused loop
+        assert engine.model.fused_loop.runs > 0
+        assert pointers() == built
+    finally:
+        engine.model.use_fused_loop(0)
