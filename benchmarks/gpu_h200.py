@@ -310,7 +310,7 @@ def part_profile(model, name: str) -> dict:
     return {}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="1,2,3,4")
     ap.add_argument("--model", default="ouro-1.4b-shape")
@@ -342,7 +342,11 @@ def main() -> None:
     if args.out:
         with open(f"{args.out}/gpu_h200.json", "w") as f:
             json.dump(results, f, indent=2, default=str)
+    failed = [k for k, r in results.items() if isinstance(r, dict) and "error" in r]
+    if failed:
+        print(f"failed parts: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -120,10 +120,11 @@ def main() -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    rows, curves = {}, {}
+    rows, curves, tokens = {}, {}, {}
     for mode, name in (("colocated", "colocated"), ("pd", "1P1D")):
         summary, results, reads = run_mode(mode, args)
         rows[name] = (summary, reads)
+        tokens[name] = {r.request_id: r.token_ids for r in results}
         curves[name] = {"TTFT": [r.ttft for r in results if r.ttft is not None],
                         "TPOT": [r.tpot for r in results if r.tpot is not None]}
 
@@ -144,8 +145,12 @@ def main() -> int:
     print(f"goodput: requests/s finishing with TPOT <= {args.slo_tpot_ms:g} ms")
     plot(curves, args.config.stem if args.config else "CPU", args.png)
     print(f"latency CDF: {args.png}")
+    # Greedy requests: disaggregation must not change a token.
+    differ = [rid for rid, toks in tokens["colocated"].items() if tokens["1P1D"].get(rid) != toks]
+    print(f"greedy tokens: 1P1D equals colocated for {len(tokens['colocated']) - len(differ)}/"
+          f"{len(tokens['colocated'])} requests" + (f" (first differing: {differ[0]})" if differ else ""))
     print("command: python " + " ".join(sys.argv))
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

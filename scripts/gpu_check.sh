@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The project's GPU check (docs/benchmarks.md records where it passed): on one CUDA GPU, with
+# the shipped defaults,
+#   1. the GPU tests (python -m pytest -m gpu tests/gpu);
+#   2. the serving workload on configs/h200-1p1d.yaml in both modes (colocated, then 1P1D as
+#      plain processes): fails if any request fails or 1P1D's greedy tokens differ;
+#   3. the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
+# Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
+# (default out/gpu_check.log). Arguments name a subset of the steps (tests serving decode);
+# only a run of all three is the check.
+#
+# Needs the project's Python dependencies: where one is missing and a folder of wheels is at
+# $LOOPSERVE_WHEELS (default .whl; how to fetch them: docs/benchmarks.md), they are installed
+# into a private folder for this run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG=${GPU_CHECK_LOG:-out/gpu_check.log}
+WHEELS=${LOOPSERVE_WHEELS:-.whl}
+mkdir -p "$(dirname "$LOG")"
+: > "$LOG"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if ! "$PY" -c "import pydantic, yaml, grpc_health, nixl" 2>/dev/null && [ -d "$WHEELS" ]; then
+  site=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELS"/*.whl \
+    >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$site"
+fi
+
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+steps=${*:-tests serving decode}
+gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG" || echo "no CUDA GPU")
+declare -a failed=()
+summary=()
+
+step() {  # step NAME COMMAND...: runs it into the log, remembers a failure
+  local name=$1; shift
+  [[ " $steps " == *" $name "* ]] || return 0
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+step tests "$PY" -m pytest -p no:cacheprovider -m gpu tests/gpu -q
+summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -1)")
+
+step serving "$PY" benchmarks/pd_vs_colocated.py --config configs/h200-1p1d.yaml --requests 64 --rate 4 \
+  --max-tokens 64 --min-words 40 --max-words 300 --slo-tpot-ms 50 --png out/pd_latency_cdf_gpu.png
+summary+=("serving: $(grep -E '^greedy tokens' "$LOG" | tail -1)")
+
+step decode "$PY" benchmarks/gpu_h200.py --parts 1 --decode-batches 1,8
+summary+=("decode: $(grep -E '^\[decode\] batch +[18] +(graphs|fused)' "$LOG" | sed 's/;.*//' | tr -s ' ' | paste -sd';')")
+
+if [ ${#failed[@]} -ne 0 ]; then verdict="FAIL (${failed[*]})"
+elif [ "$steps" != "tests serving decode" ]; then verdict="PASS (only: $steps)"
+else verdict=PASS; fi
+line="gpu_check: $verdict at $commit on $gpu; $(IFS='|'; echo "${summary[*]}")"
+echo "$line" | tee -a "$LOG"
+[ ${#failed[@]} -eq 0 ]
