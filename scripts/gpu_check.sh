@@ -44,7 +44,7 @@ step() {  # step NAME COMMAND...: runs it into the log, remembers a failure
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step tests "$PY" -m pytest -p no:cacheprovider -m gpu tests/gpu -q
+step tests "$PY" -m pytest -p no:cacheprovider -m gpu tests/gpu
 summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -1)")
 
 step serving "$PY" benchmarks/pd_vs_colocated.py --config configs/h200-1p1d.yaml --requests 64 --rate 4 \
