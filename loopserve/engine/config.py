@@ -54,4 +54,11 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.split_prefill and self.prefill_chunk_size is None:
             self.prefill_chunk_size = min(256, self.max_num_batched_tokens)
+        # A verify round runs its num_draft_tokens rows in one batch; more never fit and the
+        # request would wait forever.
+        if self.speculative and self.speculative.num_draft_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"speculative.num_draft_tokens ({self.speculative.num_draft_tokens}) must be <= "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
         return self

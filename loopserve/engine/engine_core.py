@@ -19,7 +19,7 @@ from loopserve.engine.model_runner import ModelRunner
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.outputs import EngineCounters, RequestOutput
 from loopserve.engine.request import Request
-from loopserve.engine.sampler import DrawnTokens, Sample, draw_tokens
+from loopserve.engine.sampler import DrawnTokens, draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
@@ -408,15 +408,19 @@ class EngineCore:
         return {i.request_id: out[i.request_id] for i in items}, unread
 
     def _accept(self, item: BatchItem, req: Request, logits: torch.Tensor) -> ItemResult:
-        """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with."""
-        greedy = torch.argmax(logits, dim=-1).tolist()
+        """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with.
+
+        Each row is drawn as a plain decode step draws its token, so an emitted token carries
+        the same logprobs as it would without speculation."""
+        n, start = len(logits), len(req.output_token_ids)
+        samples = draw_tokens(logits, [req.params] * n, [req.seed] * n, list(range(start, start + n))).samples()
         drafts, req.draft_token_ids = req.draft_token_ids, []
         emitted: list[int] = []
-        for j, g in enumerate(greedy):
-            req.append(Sample(g), item.logits_positions[j])
-            emitted.append(g)
+        for j, s in enumerate(samples):
+            req.append(s, item.logits_positions[j])
+            emitted.append(s.token_id)
             self.counters.tokens_generated += 1
-            if req.finished or j + 1 >= len(greedy) or drafts[j] != g:
+            if req.finished or j + 1 >= n or drafts[j] != s.token_id:
                 break
             self.counters.spec_accepted += 1
         return ItemResult(sampled=tuple(emitted), finished=req.finished)

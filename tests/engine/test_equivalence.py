@@ -4,6 +4,8 @@ from dataclasses import replace
 
 import pytest
 
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine, reference, run_to_completion, workload
 
 CONFIGS = {
@@ -53,3 +55,50 @@ def test_engine_equals_serial_execution(family):
         alone.add_request(prompt, params, request_id=rid)
         single, _ = run_to_completion(alone)
         assert single[rid] == together[rid]
+
+
+def _with_logprobs(engine, work):
+    """Each request's tokens, logprobs and top logprobs, the whole stream joined."""
+    for rid, prompt, params in work:
+        engine.add_request(prompt, params, request_id=rid)
+    got: dict[str, tuple[list, list, list]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks, lps, tops = got.setdefault(o.request_id, ([], [], []))
+            toks.extend(o.new_token_ids)
+            lps.extend(o.logprobs or ())
+            tops.extend(o.top_logprobs or ())
+    engine.check_no_leaks()
+    return got
+
+
+def test_speculative_logprobs_equal_plain_decoding(family):
+    """Tokens accepted in a speculative round carry the logprob (and top alternatives) that
+    plain greedy decoding reports for them."""
+    work = [(rid, prompt, replace(p, logprobs=k % 3)) for k, (rid, prompt, p) in enumerate(workload(seed=3, n=8))]
+    spec = make_engine(family, speculative={"num_draft_tokens": 3, "draft_loops": 1})
+    got = _with_logprobs(spec, work)
+    assert spec.counters.spec_accepted > 0
+    want = _with_logprobs(make_engine(family), work)
+    for rid, prompt, p in work:
+        (toks, lps, tops), (ref_toks, ref_lps, ref_tops) = got[rid], want[rid]
+        assert toks == ref_toks, f"{rid}: tokens differ"
+        assert len(lps) == len(toks) and lps == pytest.approx(ref_lps, abs=1e-4), f"{rid}: logprobs differ"
+        assert len(tops) == (len(toks) if p.logprobs else 0)
+        for row, ref_row in zip(tops, ref_tops):
+            assert len(row) == p.logprobs and [i for i, _ in row] == [i for i, _ in ref_row]
+            assert [v for _, v in row] == pytest.approx([v for _, v in ref_row], abs=1e-4)
+
+
+def test_speculation_as_wide_as_the_batch_budget_finishes_and_wider_is_refused(family):
+    """A verify round is num_draft_tokens rows in one batch: equal to max_num_batched_tokens
+    it runs (and matches the reference); one more would never be scheduled, so it is refused."""
+    engine = make_engine(family, max_num_batched_tokens=3, speculative={"num_draft_tokens": 3, "draft_loops": 1})
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=12, ignore_eos=True, max_loops=4,
+                                                        exit_threshold=1.0, seed=0)
+    engine.add_request(prompt, params, request_id="r")
+    outs, _ = run_to_completion(engine)
+    assert engine.counters.spec_accepted > 0
+    assert outs["r"] == list(reference(family, prompt, params)[0])
+    with pytest.raises(ValueError, match=r"num_draft_tokens \(4\).*max_num_batched_tokens \(3\)"):
+        EngineConfig(model=family, max_num_batched_tokens=3, speculative={"num_draft_tokens": 4})

@@ -3,7 +3,9 @@ in-process server/client exchange through the generated stubs, and stubs up to d
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from concurrent import futures
 from pathlib import Path
 
@@ -92,7 +94,15 @@ def test_every_rpc_works_through_the_generated_stubs(stub):
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
-    subprocess.run(["bash", str(ROOT / "scripts/gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT)
-    stale = [f for f in STUBS if (tmp_path / f).read_bytes() != (ROOT / "loopserve/cluster/proto" / f).read_bytes()]
+    """Regenerated with the interpreter running the tests (PYTHON): the python3 first on PATH
+    is here a stub that fails, as one outside the project's environment lacks grpc_tools."""
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir()
+    (stub_bin / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (stub_bin / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub_bin}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(ROOT / "scripts/gen_protos.sh"), str(out)], check=True, cwd=ROOT, env=env)
+    stale = [f for f in STUBS if (out / f).read_bytes() != (ROOT / "loopserve/cluster/proto" / f).read_bytes()]
     assert not stale, f"{stale} are stale: run scripts/gen_protos.sh"
-    assert "from . import loopserve_pb2 as" in (tmp_path / "loopserve_pb2_grpc.py").read_text()
+    assert "from . import loopserve_pb2 as" in (out / "loopserve_pb2_grpc.py").read_text()
