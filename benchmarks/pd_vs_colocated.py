@@ -39,6 +39,8 @@ def cluster_config(mode: str, args):
                                     "ray": {"num_cpus": 4},
                                     "transfer": {"progress_thread": bool(args.progress_thread)}})
     data = yaml.safe_load(args.config.read_text())
+    if args.num_blocks is not None:
+        data["engine"]["num_blocks"] = args.num_blocks
     gpus = sum(data.get(r, {}).get("num_gpus", 0.0) for r in ("prefill", "decode"))
     data["colocated"] = {"num_workers": 1, "num_gpus": gpus, **data.get("colocated", {})}
     if args.progress_thread is not None:
@@ -110,6 +112,8 @@ def main() -> int:
     p.add_argument("--max-words", type=int, default=40)
     p.add_argument("--exit-threshold", type=float, default=None)
     p.add_argument("--model", default="tiny-ouro")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="the config's engine.num_blocks instead (a smaller GPU than the config's)")
     p.add_argument("--launcher", choices=["process", "ray"], default="process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=None,

@@ -3,7 +3,8 @@
 # the shipped defaults,
 #   1. the GPU tests (python -m pytest -m gpu tests/gpu);
 #   2. the serving workload on configs/h200-1p1d.yaml in both modes (colocated, then 1P1D as
-#      plain processes): fails if any request fails or 1P1D's greedy tokens differ;
+#      plain processes; half the KV pool on a GPU under 120 GiB): fails if any request fails
+#      or 1P1D's greedy tokens differ;
 #   3. the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
 # Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
 # (default out/gpu_check.log). Arguments name a subset of the steps (tests serving decode);
@@ -47,8 +48,11 @@ step() {  # step NAME COMMAND...: runs it into the log, remembers a failure
 step tests "$PY" -m pytest -p no:cacheprovider -m gpu tests/gpu
 summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -1)")
 
+# The config's two workers hold 48 GiB of KV each: on a GPU under 120 GiB (an H100), 24 GiB.
+gib=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)" 2>/dev/null || echo 0)
+small=(); [ "$gib" -ge 120 ] || small=(--num-blocks 2048)
 step serving "$PY" benchmarks/pd_vs_colocated.py --config configs/h200-1p1d.yaml --requests 64 --rate 4 \
-  --max-tokens 64 --min-words 40 --max-words 300 --slo-tpot-ms 50 --png out/pd_latency_cdf_gpu.png
+  --max-tokens 64 --min-words 40 --max-words 300 --slo-tpot-ms 50 --png out/pd_latency_cdf_gpu.png "${small[@]}"
 summary+=("serving: $(grep -E '^greedy tokens' "$LOG" | tail -1)")
 
 step decode "$PY" benchmarks/gpu_h200.py --parts 1 --decode-batches 1,8
