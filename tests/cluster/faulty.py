@@ -12,10 +12,15 @@ from loopserve.prefill_worker.host import EngineHost
 FAULT = "injected device fault"
 
 
-def break_engine(host: EngineHost) -> None:
-    """Every RECURRENT batch the host's engine runs from now on raises."""
-    def broken(*args, **kwargs):
-        raise RuntimeError(FAULT)
+def break_engine(host: EngineHost, after_tokens: int = 0) -> None:
+    """From now on, a RECURRENT batch of the host's engine raises once a request in it has
+    `after_tokens` output tokens (0: the next one raises)."""
+    real = host.engine.runner.recurrent
+
+    def broken(batch, reqs, *args, **kwargs):
+        if any(len(r.output_token_ids) >= after_tokens for r in reqs.values()):
+            raise RuntimeError(FAULT)
+        return real(batch, reqs, *args, **kwargs)
 
     host.engine.runner.recurrent = broken
 
