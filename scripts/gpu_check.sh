@@ -4,7 +4,7 @@
 #   1. the GPU tests (python -m pytest -m gpu tests/gpu);
 #   2. the serving workload on configs/h200-1p1d.yaml in both modes (colocated, then 1P1D as
 #      plain processes; half the KV pool on a GPU under 120 GiB): fails if any request fails
-#      or 1P1D's greedy tokens differ;
+#      or 1P1D's greedy tokens differ from colocated's beyond a near-tie (--tie-nats);
 #   3. the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
 # Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
 # (default out/gpu_check.log). Arguments name a subset of the steps (tests serving decode);

@@ -66,5 +66,10 @@ class WorkerHandle(ABC):
         finally:
             self.kill()
 
+    def restart(self) -> None:
+        """Replace a worker that reported itself failed (its engine is dead). Here: stop it
+        for good, so the router keeps it out; a launcher that can start it again overrides."""
+        self.shutdown()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_id!r}, role={self.role!r})"

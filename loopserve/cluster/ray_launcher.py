@@ -72,3 +72,8 @@ class RayWorkerHandle(WorkerHandle):
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
+
+    def restart(self) -> None:
+        """Kill the actor as a crash would: Ray starts it again while it has restarts left
+        (ray.max_restarts), else it stays dead."""
+        ray.kill(self.actor, no_restart=False)

@@ -7,7 +7,9 @@ prefill workers directly, as NIXL notifications.)
 When a worker dies, or a request ends in an engine-side error (a KV read failed or timed out,
 an engine crashed), the request migrates: it continues on a surviving worker from the tokens
 already streamed (`migration.py`), up to `max_migrations` times, and only then ends with an
-error; what survivors still hold of the old attempt is aborted at once.
+error; what survivors still hold of the old attempt is aborted at once. A worker that reports
+itself unhealthy (its engine failed: it has ended its requests) is handled as a dead one, and
+its handle's `restart()` replaces it (Ray) or stops it for good.
 Streams are asyncio queues fed with `call_soon_threadsafe`, so a request's first token (from
 the prefill side) always precedes its decode tokens: the handoff is forwarded after the
 outputs of the same batch were queued.
@@ -316,7 +318,7 @@ class Router:
 
     # ------------------------------------------------------------------ pumps
     def _pump(self, w: _WorkerState) -> None:
-        failed = False
+        failed = False  # its requests were moved off it; it serves again once it polls healthy
         while not self._closed:
             try:
                 ev = w.handle.get_events(self.poll_s)
@@ -329,7 +331,7 @@ class Router:
                 failed = True
                 time.sleep(1.0)
                 continue
-            if failed:  # it came back (a restarted actor): new KV agent, handshake again
+            if failed and ev.load.healthy:  # it came back (a restarted actor): new KV agent, handshake again
                 self._rejoin(w)
                 failed = False
             with self._lock:
@@ -338,6 +340,11 @@ class Router:
                 self._deliver(w, out)
             for msg in ev.handoffs:
                 self._route_handoff(w, msg)
+            if not (failed or ev.load.healthy):  # its engine failed: a dead worker to replace
+                log.error("worker %s failed: %s", w.id, ev.load.error)
+                self._fail_worker(w, f"worker {w.id} failed: {ev.load.error}")
+                self._call_quietly(w, "restart")
+                failed = True
 
     def _deliver(self, w: _WorkerState, out: RequestOutput) -> None:
         with self._lock:

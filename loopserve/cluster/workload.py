@@ -31,6 +31,7 @@ class RequestResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     exit_depths: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when asked for
     finish_reason: str | None = None
     error: str | None = None
     submitted: float = 0.0
@@ -73,6 +74,7 @@ async def _one(router: Router, item: WorkItem, start: float) -> RequestResult:
                 res.first_token = now
             res.token_ids.extend(out.new_token_ids)
             res.exit_depths.extend(out.exit_depths)
+            res.top_logprobs.extend(dict(top) for top in out.top_logprobs or ())
             res.text += out.text_delta
             if out.finished:
                 res.finish_reason, res.error, res.done = out.finish_reason, out.error, now
@@ -85,6 +87,21 @@ async def run_workload(router: Router, items: list[WorkItem]) -> list[RequestRes
     """Submit every item at its arrival time, concurrently; results in item order."""
     start = time.perf_counter()
     return list(await asyncio.gather(*(_one(router, it, start) for it in items)))
+
+
+def greedy_divergence(a: RequestResult, b: RequestResult) -> tuple[int, float] | None:
+    """Where two greedy streams of one prompt first differ, and how near a tie it was there:
+    the larger over both runs of (its token's logprob - the other run's token's logprob), inf
+    where the other token is not in its top logprobs. None if the streams are equal."""
+    if a.token_ids == b.token_ids:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+    if i is None or i >= min(len(a.top_logprobs), len(b.top_logprobs)):
+        return (min(len(a.token_ids), len(b.token_ids)) if i is None else i), float("inf")
+    gaps = [top[mine] - top[theirs] if mine in top and theirs in top else float("inf")
+            for top, mine, theirs in ((a.top_logprobs[i], a.token_ids[i], b.token_ids[i]),
+                                      (b.top_logprobs[i], b.token_ids[i], a.token_ids[i]))]
+    return i, max(gaps)
 
 
 def percentile(values: list[float], q: float) -> float:

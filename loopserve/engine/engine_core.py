@@ -41,6 +41,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 UNREAD = -1  # the token a deferred sample reports to the scheduler (which counts, never reads, them)
 
 
+class EngineFailedError(RuntimeError):
+    """New work for an engine whose step raised: it runs nothing more."""
+
+
 @dataclass
 class _Unread:
     """A CODA's samples not yet applied on the host (defer_readback)."""
@@ -107,11 +111,13 @@ class EngineCore:
         # A prefill engine hands its request over right after the CODA: nothing to overlap.
         self._defer = config.defer_readback and config.role != "prefill"
         self._unread: list[_Unread] = []  # oldest first; at most one per request
+        self.error: str | None = None  # why the engine failed (see fail); None while it serves
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; ValueError names the bad field and its limit."""
+        self._check_alive()
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
@@ -188,6 +194,40 @@ class EngineCore:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
+        """Run (or launch) one batch; the outputs of every request with news. If anything in
+        the step raises, the engine fails (see fail) and this returns every request's end."""
+        try:
+            return self._step()
+        except Exception as e:  # noqa: BLE001 - whatever broke, the engine's requests must end
+            log.exception("engine step failed; failing every request")
+            return self.fail(e)
+
+    def fail(self, error: BaseException) -> list[RequestOutput]:
+        """Stop serving for good: a step raised, so the device state may be corrupt (a CUDA
+        fault poisons the context) and no batch may run again. Every request ends now with
+        finish_reason "error" and the exception's message, not after a timeout; the batch
+        still running (async scheduling) is waited for, then every block, slot and state
+        row is freed; new requests are refused. Returns the outputs still owed."""
+        if self.error is None:
+            self.error = f"engine failed: {type(error).__name__}: {error}"
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)  # nothing may still write to what is freed below
+        self._inflight, self._unread, self._handoffs = None, [], []
+        self.scheduler.abort_all()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for rid, req in self.requests.items():
+            if not req.final_sent:
+                req.finish_reason = "error"
+                outputs.append(req.take_output(error=self.error))
+            self.runner.drop(rid)
+        self.requests.clear()
+        return outputs
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineFailedError(f"the engine takes no new requests: {self.error}")
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.runner.apply_kv_moves(out.swap_out, self.kv_manager.pop_new_blocks(), out.swap_in)
         self.counters.preemptions += len(out.preempted)
@@ -303,6 +343,7 @@ class EngineCore:
 
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
+        self._check_alive()
         params = SamplingParams.from_dict(h.params)
         if h.request_id in self.requests:
             raise ValueError(f"request_id {h.request_id!r} is already in use")

@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import traceback
 
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_transfer.messages import HandoffMessage
@@ -46,7 +45,6 @@ class EngineHost:
         self._accepted = 0
         self.traces = StatusTraces()
         self._aborted_early = RecentIds()
-        self._error: str | None = None
         self._stop = False
         self._setup_transfers()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-step", daemon=True)
@@ -62,9 +60,14 @@ class EngineHost:
                 with self._lock.step():
                     busy = self._tick()
                     waiting = self._transfers_pending()
-            except Exception:  # the engine is broken: fail every request, report unhealthy
-                with self._lock:
-                    self._fail_all(traceback.format_exc())
+            except Exception as e:  # noqa: BLE001 - raised outside the engine's step (KV transfers)
+                log.exception("%s: step loop failed", self.worker_id)
+                with self._lock:  # the worker is broken all the same: end its requests as a step would
+                    outputs = self.engine.fail(e)
+                    self._observe(outputs)
+                    self._publish(outputs)
+            if self.engine.error is not None:  # its requests have ended; the launcher replaces it
+                log.error("%s: %s; reporting unhealthy", self.worker_id, self.engine.error)
                 return
             if not busy:
                 self._wake.wait(POLL_WAIT_S if waiting else IDLE_WAIT_S)
@@ -109,13 +112,6 @@ class EngineHost:
         for out in outputs:
             if out.finished:
                 self.traces.record(out.request_id, "FINISHED")
-
-    def _fail_all(self, error: str) -> None:
-        log.error("%s: engine failed:\n%s", self.worker_id, error)
-        self._error = error.strip().splitlines()[-1]
-        outs = [RequestOutput(rid, (), "", (), finished=True, finish_reason="error", error=self._error)
-                for rid in list(self.engine.requests)]
-        self._publish(outs)
 
     # ------------------------------------------------------------------ RPC surface
     def submit(self, request_id: str, prompt: str | list[int], params: dict) -> bool:
@@ -168,7 +164,7 @@ class EngineHost:
                 worker_id=self.worker_id, role=self.role,
                 queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
                 free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
-                accepted=self._accepted, healthy=self._error is None, error=self._error,
+                accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
             )
 
     def _unplaced(self) -> tuple[int, int]:
@@ -178,13 +174,13 @@ class EngineHost:
     def stats(self) -> dict:
         with self._lock:
             return {"worker_id": self.worker_id, "role": self.role, "accepted": self._accepted,
-                    "error": self._error, **self.engine.stats()}
+                    "error": self.engine.error, **self.engine.stats()}
 
     def health(self) -> dict:
         alive = self._thread.is_alive()
-        ok = self._error is None and alive
-        return {"worker_id": self.worker_id, "role": self.role, "ok": ok, "pid": os.getpid(),
-                "error": self._error or (None if alive else "step loop not running")}
+        error = self.engine.error
+        return {"worker_id": self.worker_id, "role": self.role, "ok": error is None and alive,
+                "pid": os.getpid(), "error": error or (None if alive else "step loop not running")}
 
     def trace(self, request_id: str) -> list[str]:
         with self._lock:
@@ -199,8 +195,8 @@ class EngineHost:
                     "unfinished": self.engine.has_unfinished()}
 
     def _check_healthy(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"worker {self.worker_id} failed: {self._error}")
+        if self.engine.error is not None:
+            raise EngineFailedError(f"worker {self.worker_id} takes no new requests: {self.engine.error}")
 
     def shutdown(self) -> None:
         """Stop the step loop and release the engine and KV agent; idempotent."""

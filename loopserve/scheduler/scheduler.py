@@ -126,6 +126,14 @@ class Scheduler:
         """Abort at any status. Resources of a request in flight go when its batch retires."""
         return self._end(request_id, aborted=True)
 
+    def abort_all(self) -> None:
+        """Abort every request and retire every batch in flight without a result: the engine
+        failed, so none of them will run. Frees every slot and block."""
+        for rid in list(self._reqs):
+            self._end(rid, aborted=True)
+        for batch in list(self._inflight.values()):
+            self.update(batch, BatchResult({}))
+
     def stop(self, request_id: str) -> bool:
         """Finish a request on a stop condition the engine saw outside a batch result (a
         sample read back after the request's next work was scheduled). As abort(), but it

@@ -1,10 +1,12 @@
-"""Worker faults on a real 2P2D Ray cluster with real NIXL transfers.
+"""Worker faults on a real 2P2D Ray cluster with real NIXL transfers, and engines that fail.
 
 A worker killed while it holds a request (decode RECEIVING, prefill TRANSFERRING) or a READ
 that never completes (its prefill peer is frozen with SIGSTOP): the request migrates to a
 surviving worker and its tokens equal the uninterrupted reference; Ray restarts the dead
 actor and the router uses it again; with no survivor, the stream ends with a clear error.
 Every pool is back to baseline after each test (the conftest's autouse check).
+A worker whose engine step raises is handled as a dead one: its requests end at once and
+migrate, and it is restarted (Ray) or stopped for good (a worker that cannot be restarted).
 """
 
 from __future__ import annotations
@@ -12,13 +14,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 
 from loopserve.cluster.cluster import wait_idle
+from loopserve.cluster.config import load_cluster_config
+from loopserve.cluster.placement import plan, stop_all
+from loopserve.cluster.router import NoWorkerError, Router
 from loopserve.cluster.workload import WorkItem, run_workload
 from loopserve.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import colocated_reference, greedy_items, until
+from tests.cluster.conftest import ENGINE, FAULT_TRANSFER, colocated_reference, greedy_items, until
+from tests.cluster.faulty import FAULT, FaultyHost, break_engine
+from tests.cluster.inprocess import InProcessHandle
 
 ray = pytest.importorskip("ray")
 
@@ -126,3 +134,96 @@ def test_no_surviving_decode_worker_ends_the_stream_with_a_clear_error(fault_wor
 
 async def _collect(stream) -> list:
     return [o async for o in stream]
+
+
+def _break_while(router, handles, items, brk) -> tuple[object, list]:
+    """Run `items`; break the engine (`brk(handle)`) of the worker running items[0]."""
+    async def run():
+        task = asyncio.create_task(run_workload(router, items))
+        victim = await asyncio.to_thread(_holder, handles, items[0].request_id, "ACTIVE")
+        brk(victim)
+        return victim, await task
+    return asyncio.run(run())
+
+
+def test_a_worker_whose_engine_step_raises_is_stopped_and_its_requests_migrate():
+    """Two in-process workers (their handles cannot restart one): the broken worker's requests
+    end at once and continue on the other (same tokens), it is stopped with nothing left
+    unfinished, the survivor serves later requests; when it breaks too, a running stream
+    ends with the engine's error and new requests find no worker."""
+    handles = [InProcessHandle(f"breakable-{i}", ENGINE) for i in range(2)]
+    router = Router(handles, poll_s=0.1).start()
+    try:
+        items = greedy_items(6, seed=25, max_tokens=48)
+        victim, results = _break_while(router, handles, items, lambda h: break_engine(h.host))
+        _check(items, results)
+        assert victim.check_no_leaks()["unfinished"] is False
+        assert FAULT in victim.health()["error"] and not router.health()[victim.worker_id]["ok"]
+        survivor = next(h for h in handles if h is not victim)
+        before = victim.stats()["accepted"]
+        again = greedy_items(4, seed=26, max_tokens=4)
+        _check(again, asyncio.run(run_workload(router, again)))
+        assert victim.stats()["accepted"] == before
+
+        params = SamplingParams(max_tokens=400, ignore_eos=True, seed=3)
+
+        async def last_one():
+            task = asyncio.create_task(_collect(router.generate([5, 6, 7, 8], params, "last")))
+            await asyncio.to_thread(_holder, [survivor], "last", "ACTIVE")
+            break_engine(survivor.host)
+            return await task
+
+        outs = asyncio.run(last_one())
+        assert outs[-1].finish_reason == "error" and FAULT in outs[-1].error, outs[-1]
+        assert "no healthy colocated worker" in outs[-1].error
+        with pytest.raises(NoWorkerError):
+            asyncio.run(_collect(router.generate([1, 2], params)))
+    finally:
+        router.close()
+        stop_all(handles)
+
+
+def test_a_decode_worker_whose_engine_step_raises_is_stopped_and_its_requests_migrate():
+    """1P2D in this process, real NIXL, READs held 1 s: the broken decode worker also holds
+    requests still RECEIVING. Every request completes through the other decode worker, the
+    broken one is left with nothing, the survivors free every block."""
+    p = InProcessHandle("breakable-p", ENGINE, "prefill", FAULT_TRANSFER)
+    ds = [InProcessHandle(f"breakable-d{i}", ENGINE, "decode", FAULT_TRANSFER) for i in range(2)]
+    router = Router([p], ds, poll_s=0.1).start()
+    try:
+        items = greedy_items(6, seed=29, max_tokens=32)
+        victim, results = _break_while(router, ds, items, lambda h: break_engine(h.host))
+        _check(items, results)
+        assert victim.check_no_leaks()["unfinished"] is False
+        again = greedy_items(4, seed=30, max_tokens=4)
+        _check(again, asyncio.run(run_workload(router, again)))
+        wait_idle([p, *(d for d in ds if d is not victim)], timeout=60)
+    finally:
+        router.close()
+        stop_all([p, *ds])
+
+
+def test_a_ray_worker_whose_engine_step_raises_is_restarted_and_used_again(ray_cluster, monkeypatch):
+    from loopserve.cluster import ray_launcher
+
+    monkeypatch.setattr(ray_launcher, "worker_class", lambda role: FaultyHost)
+    cfg = load_cluster_config({"mode": "colocated", "launcher": "ray", "engine": ENGINE,
+                               "colocated": {"num_workers": 2}})
+    handles = [ray_launcher.RayWorkerHandle(replace(s, worker_id=f"faulty-{s.worker_id}", num_cpus=0),
+                                            max_restarts=1) for s in plan(cfg)]
+    router = None
+    try:
+        for h in handles:
+            h.wait_ready(120)
+        router = Router(handles, poll_s=0.1).start()
+        items = greedy_items(6, seed=27, max_tokens=48)
+        victim, results = _break_while(router, handles, items, lambda h: h._call("break_engine"))
+        _check(items, results)
+        _restarted(router, victim)
+        again = greedy_items(6, seed=28, max_tokens=4)
+        _check(again, asyncio.run(run_workload(router, again)))
+        assert victim.stats()["accepted"] > 0  # the restarted actor counts from 0
+    finally:
+        if router is not None:
+            router.close()
+        stop_all(handles)
