@@ -17,6 +17,7 @@ from tests.real_shapes import (
     MAX_NUM_SEQS,
     SLAB_ROWS,
     check_lengths_exceed_capacities,
+    prompt_of,
     workload,
 )
 
@@ -150,3 +151,15 @@ def test_prefill_decode_engines_at_long_prompts(family):
     for it in items:
         assert run.tokens[it.request_id] == list(reference(family, it.prompt, it.params)[0]), it.request_id
         assert run.states_d[it.request_id][:2] == [RequestStatus.RECEIVING, RequestStatus.ACTIVE]
+
+
+def test_text_prompt_past_the_slab(family):
+    """The issue's repro: a text prompt of more bytes than the slab has rows, tokenized by the
+    engine (the byte tokenizer)."""
+    text = "".join(chr(32 + t % 95) for t in prompt_of(LONG_PROMPTS[0]))
+    params = workload()[0].params
+    llm = LLM(model=family, **ENGINE)
+    [out] = llm.generate(text, params)
+    ids = llm.engine.tokenizer.encode(text)
+    assert out.prompt_token_ids == ids and len(ids) > SLAB_ROWS
+    assert (out.token_ids, out.exit_depths) == tuple(map(list, reference(family, ids, params)))
