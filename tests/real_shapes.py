@@ -42,7 +42,8 @@ NUM_BLOCKS = 2048
 MAX_NUM_SEQS = 4  # below the number of requests in `workload()`: some wait for a seat
 
 # An engine at real shapes: everything else at its default.
-ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, "num_blocks": NUM_BLOCKS, "max_num_seqs": MAX_NUM_SEQS}
+ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, "num_blocks": NUM_BLOCKS,
+          "max_num_seqs": MAX_NUM_SEQS}
 
 
 def check_lengths_exceed_capacities() -> None:
