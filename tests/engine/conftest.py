@@ -105,8 +105,8 @@ def _pools(engine: EngineCore) -> dict[str, torch.Tensor]:
 def run_pd(p: EngineCore, d: EngineCore, timeout_s: float = 60) -> PDRun:
     """Serve the requests added to prefill engine `p` through it and decode engine `d`,
     moving every prompt's KV with a real NIXL READ (the loop the PD workers run)."""
-    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), 4, p.kv_compat())
-    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), 4, d.kv_compat())
+    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), p.config.block_size, p.kv_compat())
+    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), d.config.block_size, d.kv_compat())
     dw.add_peer(pw.handshake_info())
     run = PDRun()
     deadline = time.time() + timeout_s

@@ -196,3 +196,28 @@ def test_hf_generate_keeps_prompt_tokens_equal_to_the_pad_id(tmp_path_factory):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(hf_generate(hf, prompt, 1)[1][0], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+def test_engine_at_long_prompts_matches_dense_reference(tmp_path_factory, mode):
+    """The engine (paged, batched, state slab) at prompts past every initial capacity
+    (tests/real_shapes.py), both KV modes: the dense reference's greedy tokens."""
+    from loopserve.engine.config import EngineConfig
+    from loopserve.engine.engine_core import EngineCore
+    from loopserve.engine.sampling_params import SamplingParams
+    from tests.engine.conftest import run_to_completion
+    from tests.real_shapes import ENGINE, LONG_PROMPTS, prompt_of
+
+    loops = 3
+    _, m = models(tmp_path_factory, loops, mode)
+    e = EngineCore(EngineConfig(model="dory", **ENGINE), model=m)
+    lens = (LONG_PROMPTS[0], 9, LONG_PROMPTS[1])  # 2100 costs ~10x more here
+    for n in lens:
+        e.add_request(prompt_of(n), SamplingParams(max_tokens=4, ignore_eos=True, max_loops=loops - n % 2),
+                      request_id=f"p{n}")
+    outs, depths = run_to_completion(e)
+    assert e.runner.states.version > 0
+    for n in lens:
+        hi = loops - n % 2
+        toks, ref_depths = dense_greedy_generate(m, prompt_of(n), 4, 1, hi, 1.0)
+        assert (outs[f"p{n}"], depths[f"p{n}"]) == (toks, ref_depths), n

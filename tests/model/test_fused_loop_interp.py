@@ -165,3 +165,25 @@ def test_weights_do_not_move_once_the_engine_is_built():
         assert pointers() == built
     finally:
         engine.model.use_fused_loop(0)
+
+
+def test_engine_with_fused_loop_at_long_contexts():
+    """Decode rows at contexts past the state slab and 2048 positions (tests/real_shapes.py)
+    in one fused batch: many KV splits per row, the dense reference's tokens. One decode
+    token: the interpreter is slow."""
+    from dataclasses import replace
+
+    from tests.engine.conftest import make_engine, reference, run_to_completion
+    from tests.real_shapes import ENGINE, LONG_PROMPTS, workload
+
+    engine = make_engine("tiny-ouro", **ENGINE, fused_loop="on", fused_loop_rows=4)
+    items = [replace(it, params=replace(it.params, max_tokens=2))
+             for it in workload((LONG_PROMPTS[0], LONG_PROMPTS[-1]))]
+    for it in items:
+        engine.add_request(it.prompt, it.params, request_id=it.request_id)
+    outs, depths = run_to_completion(engine)
+    assert engine.model.fused_loop.runs > 0
+    engine.model.use_fused_loop(0)
+    for it in items:
+        want = reference("tiny-ouro", it.prompt, it.params)
+        assert (outs[it.request_id], depths[it.request_id]) == tuple(map(list, want)), it.request_id
