@@ -65,7 +65,7 @@ def main() -> None:
     model = resolve_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
     e = EngineCore(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", block_size=16,
                                 num_blocks=args.batch * 4 * 24 + 64, max_model_len=384,
-                                max_num_seqs=max(args.batch, 8), fused_loop=args.fused_loop,
+                                max_num_seqs=max(args.batch, 8), cuda_graphs=True, fused_loop=args.fused_loop,
                                 defer_readback=defer), model=model)
     for i in range(args.batch):
         e.add_request(list(range(1000 + i, 1256 + i)),

@@ -25,7 +25,7 @@ import traceback
 
 import torch
 
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
@@ -61,7 +61,7 @@ def baselines() -> dict:
 
 def engine(model, name: str, **kw) -> EngineCore:
     cfg = dict(model=name, device="cuda", dtype="bfloat16", block_size=16, num_blocks=4096,
-               max_model_len=9216, max_num_seqs=256, max_num_batched_tokens=16384)
+               max_model_len=9216, max_num_seqs=256, max_num_batched_tokens=16384, **GPU_FEATURES)
     cfg.update(kw)
     return EngineCore(EngineConfig(**cfg), model=model)
 
@@ -74,8 +74,9 @@ def weight_bytes_per_token(model) -> int:
     return looped * model.max_loops + head
 
 
-DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off"), "graphs": dict(fused_loop="off"),
-                "fused": dict(fused_loop="on", fused_loop_rows=8)}
+DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off", defer_readback=False),
+                "graphs": {**GPU_FEATURES, "fused_loop": "off"},
+                "fused": {**GPU_FEATURES, "fused_loop": "on", "fused_loop_rows": 8}}
 
 
 def part_decode(model, name: str, base: dict, batches: tuple[int, ...] = (1, 8, 64, 256),

@@ -14,7 +14,7 @@ prefill and a decode process sharing one GPU), its engine and worker groups are 
 
 Usage: python benchmarks/pd_vs_colocated.py [--config YAML] [--requests 48] [--rate 6]
        [--max-tokens 32] [--model tiny-ouro] [--launcher process|ray] [--slo-tpot-ms 50]
-       [--png out/pd_latency_cdf.png]
+       [--num-blocks N] [--gpu-features] [--tie-nats 0.25] [--png out/pd_latency_cdf.png]
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ import yaml
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.workload import RequestResult, greedy_divergence, make_workload, run_workload, summarize
+from loopserve.engine.config import GPU_FEATURES
 
-TOP_LOGPROBS = 2  # enough to see whether a token where the modes differ was a near-tie
+# Where the modes differ, each side's logprob of the other's token tells a near-tie from a
+# fault; SamplingParams allows at most 20. A token outside them counts as a fault.
+TOP_LOGPROBS = 20
 KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "throughput_tok_s", "goodput_req_s")
 
 
@@ -47,6 +50,8 @@ def cluster_config(mode: str, args):
     data = yaml.safe_load(args.config.read_text())
     if args.num_blocks is not None:
         data["engine"]["num_blocks"] = args.num_blocks
+    if args.gpu_features:
+        data["engine"].update(GPU_FEATURES)
     gpus = sum(data.get(r, {}).get("num_gpus", 0.0) for r in ("prefill", "decode"))
     data["colocated"] = {"num_workers": 1, "num_gpus": gpus, **data.get("colocated", {})}
     if args.progress_thread is not None:
@@ -127,6 +132,8 @@ def main() -> int:
     p.add_argument("--model", default="tiny-ouro")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="the config's engine.num_blocks instead (a smaller GPU than the config's)")
+    p.add_argument("--gpu-features", action="store_true",
+                   help=f"with --config: the engine's GPU paths on ({GPU_FEATURES}; off by default)")
     p.add_argument("--tie-nats", type=float, default=0.25,
                    help="1P1D may pick another greedy token than colocated only where the two are this close")
     p.add_argument("--launcher", choices=["process", "ray"], default="process")

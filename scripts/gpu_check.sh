@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The project's GPU check (docs/benchmarks.md records where it passed): on one CUDA GPU, with
-# the shipped defaults,
-#   1. the GPU tests (python -m pytest -m gpu tests/gpu);
-#   2. the serving workload on configs/h200-1p1d.yaml in both modes (colocated, then 1P1D as
-#      plain processes; half the KV pool on a GPU under 120 GiB): fails if any request fails
-#      or 1P1D's greedy tokens differ from colocated's beyond a near-tie (--tie-nats);
-#   3. the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
+# The project's GPU check (docs/benchmarks.md records where it passed): on one CUDA GPU,
+#   tests:    the GPU tests (python -m pytest -m gpu tests/gpu; they turn the GPU features on);
+#   serving:  the serving workload on configs/h200-1p1d.yaml with the shipped defaults in both
+#             modes (colocated, then 1P1D as plain processes; half the KV pool on a GPU under
+#             120 GiB): fails if any request fails or 1P1D's greedy tokens differ from
+#             colocated's beyond a near-tie (--tie-nats);
+#   features: the same with the GPU features on (EngineConfig's GPU_FEATURES: CUDA graphs, the
+#             fused loop, deferred read-back), which a default may turn on only once this passed;
+#   decode:   the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
 # Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
-# (default out/gpu_check.log). Arguments name a subset of the steps (tests serving decode);
-# only a run of all three is the check.
+# (default out/gpu_check.log). Arguments name a subset of the steps; only a run of all four
+# is the check (a device call of at most 10 minutes fits "tests", then "serving features decode").
 #
 # Needs the project's Python dependencies: where one is missing and a folder of wheels is at
 # $LOOPSERVE_WHEELS (default .whl; how to fetch them: docs/benchmarks.md), they are installed
@@ -29,7 +31,8 @@ if ! "$PY" -c "import pydantic, yaml, grpc_health, nixl" 2>/dev/null && [ -d "$W
 fi
 
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-steps=${*:-tests serving decode}
+ALL="tests serving features decode"
+steps=${*:-$ALL}
 gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG" || echo "no CUDA GPU")
 declare -a failed=()
 summary=()
@@ -51,15 +54,19 @@ summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -
 # The config's two workers hold 48 GiB of KV each: on a GPU under 120 GiB (an H100), 24 GiB.
 gib=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)" 2>/dev/null || echo 0)
 small=(); [ "$gib" -ge 120 ] || small=(--num-blocks 2048)
-step serving "$PY" benchmarks/pd_vs_colocated.py --config configs/h200-1p1d.yaml --requests 64 --rate 4 \
-  --max-tokens 64 --min-words 40 --max-words 300 --slo-tpot-ms 50 --png out/pd_latency_cdf_gpu.png "${small[@]}"
-summary+=("serving: $(grep -E '^greedy tokens' "$LOG" | tail -1)")
+serving=("$PY" benchmarks/pd_vs_colocated.py --config configs/h200-1p1d.yaml --requests 64 --rate 4
+  --max-tokens 64 --min-words 40 --max-words 300 --slo-tpot-ms 50 "${small[@]}")
+for name in serving features; do
+  extra=(--png "out/pd_latency_cdf_gpu_$name.png"); [ "$name" = features ] && extra+=(--gpu-features)
+  step "$name" "${serving[@]}" "${extra[@]}"
+  [[ " $steps " == *" $name "* ]] && summary+=("$name: $(grep -E '^greedy tokens' "$LOG" | tail -1)")
+done
 
 step decode "$PY" benchmarks/gpu_h200.py --parts 1 --decode-batches 1,8
 summary+=("decode: $(grep -E '^\[decode\] batch +[18] +(graphs|fused)' "$LOG" | sed 's/;.*//' | tr -s ' ' | paste -sd';')")
 
 if [ ${#failed[@]} -ne 0 ]; then verdict="FAIL (${failed[*]})"
-elif [ "$steps" != "tests serving decode" ]; then verdict="PASS (only: $steps)"
+elif [ "$steps" != "$ALL" ]; then verdict="PASS (only: $steps)"
 else verdict=PASS; fi
 line="gpu_check: $verdict at $commit on $gpu; $(IFS='|'; echo "${summary[*]}")"
 echo "$line" | tee -a "$LOG"

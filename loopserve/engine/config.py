@@ -13,6 +13,11 @@ class SpeculativeConfig(BaseModel):
     draft_loops: int = Field(1, ge=1)
 
 
+# The GPU paths that are off by default (see EngineConfig): the settings that turn them all on,
+# as the GPU tests, the GPU benchmarks and scripts/gpu_check.sh run them.
+GPU_FEATURES: dict[str, object] = {"cuda_graphs": True, "fused_loop": "auto", "defer_readback": True}
+
+
 class EngineConfig(BaseModel):
     """Everything one EngineCore needs. Unknown keys are errors (they are usually typos)."""
 
@@ -36,18 +41,21 @@ class EngineConfig(BaseModel):
     preemption_mode: Literal["keep", "offload"] = "keep"
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool = False
-    # A CODA's sampled ids stay on the device for the next PRELUDE; the host reads them once
-    # that is launched (no GPU idle between a token's sample and its next loop). A stop token
-    # is then seen one PRELUDE late (its work is dropped). No effect with role='prefill'.
-    defer_readback: bool = True
+    # GPU paths below are off by default until scripts/gpu_check.sh has passed with them on, on
+    # a GPU, at a commit recorded in docs/benchmarks.md (GPU_FEATURES turns them all on).
+    # defer_readback: a CODA's sampled ids stay on the device for the next PRELUDE; the host
+    # reads them once that is launched (no GPU idle between a token's sample and its next
+    # loop). A stop token is then seen one PRELUDE late (its work is dropped). No effect with
+    # role='prefill'.
+    defer_readback: bool = False
     role: Literal["colocated", "prefill", "decode"] = "colocated"
     max_waiting: int = Field(4096, ge=1)
-    cuda_graphs: bool = True  # on CUDA with the Triton backend: decode steps replay graphs
+    cuda_graphs: bool = False  # on CUDA with the Triton backend: decode steps replay graphs
     fuse_elementwise: bool = True  # on CUDA: torch.compile norms, RoPE, SwiGLU (one kernel each)
     # Ouro decode batches of up to fused_loop_rows rows: each loop is one persistent kernel
-    # (auto: on CUDA; on: also on CPU under TRITON_INTERPRET=1, the CPU twin). One row by
-    # default: on the H200 it beats the per-layer kernels at batch 1 only (docs/benchmarks.md)
-    fused_loop: Literal["auto", "on", "off"] = "auto"
+    # (auto: on CUDA; on: also on CPU under TRITON_INTERPRET=1, the CPU twin). One row: on the
+    # H200 and H100 it beats the per-layer kernels at batch 1 only (docs/benchmarks.md)
+    fused_loop: Literal["auto", "on", "off"] = "off"
     fused_loop_rows: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")
