@@ -104,7 +104,7 @@ def test_deferred_readback_streams_equal_immediate(family, cfg, lag, request):
 
 
 def test_abort_with_a_sample_unread(family, lagging):
-    e = make_engine(family)
+    e = make_engine(family, defer_readback=True)
     for rid, prompt, params in workload(seed=5, n=4, max_tokens=20):
         e.add_request(prompt, params, request_id=rid)
     outs = []
