@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from loopserve.prefill_worker.events import WorkerEvents
+from loopserve.worker_host.events import WorkerEvents
 
 
 class WorkerHandle(ABC):

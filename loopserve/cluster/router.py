@@ -32,8 +32,8 @@ from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.migration import StreamHistory
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.prefill_worker.events import WorkerLoad
-from loopserve.prefill_worker.handoff import handoff_blocks
+from loopserve.worker_host.events import WorkerLoad
+from loopserve.worker_host.handoff import handoff_blocks
 from loopserve.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass, field
 
 _CLASSES = {
-    "colocated": "loopserve.prefill_worker.host:EngineHost",
+    "colocated": "loopserve.worker_host.host:EngineHost",
     "prefill": "loopserve.prefill_worker.worker:PrefillWorker",
     "decode": "loopserve.decode_worker.worker:DecodeWorker",
 }

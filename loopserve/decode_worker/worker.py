@@ -20,21 +20,17 @@ from collections import deque
 from loopserve.engine.outputs import RequestOutput
 from loopserve.kv_transfer.connector import ReceiveTracker
 from loopserve.kv_transfer.messages import HandoffMessage
-from loopserve.kv_transfer.nixl_agent import NixlKVWorker
-from loopserve.prefill_worker.handoff import handoff_blocks
-from loopserve.prefill_worker.host import EngineHost
-from loopserve.prefill_worker.worker import kv_pools
+from loopserve.worker_host.handoff import handoff_blocks
+from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker(EngineHost):
+class DecodeWorker(TransferHost):
     role = "decode"
 
     def _setup_transfers(self) -> None:
-        self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
-                                 self.engine.kv_compat(),
-                                 progress_thread=self.transfer.get("progress_thread", False))
+        super()._setup_transfers()
         self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
         self.read_delay_s = self.transfer.get("inject_read_delay_s", 0.0)
@@ -203,9 +199,6 @@ class DecodeWorker(EngineHost):
             return {**super().stats(), "kv_reads": dict(self.reads),
                     "inbox": len(self._inbox), "held": len(self._held),
                     "reading": len(self._reading)}
-
-    def _close_transfers(self) -> None:
-        self.nixl.close()
 
 
 def _error_output(request_id: str, error: str) -> RequestOutput:

@@ -15,25 +15,16 @@ import logging
 import time
 
 from loopserve.kv_transfer.connector import TransferLedger
-from loopserve.kv_transfer.nixl_agent import NixlKVWorker
-from loopserve.prefill_worker.host import EngineHost
+from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
 
 
-def kv_pools(engine) -> dict:
-    """The engine's block-major KV tensors, by pool name, for NIXL registration."""
-    kv = engine.runner.kv
-    return {"looped": kv.looped, **({"flat": kv.flat} if kv.flat is not None else {})}
-
-
-class PrefillWorker(EngineHost):
+class PrefillWorker(TransferHost):
     role = "prefill"
 
     def _setup_transfers(self) -> None:
-        self.nixl = NixlKVWorker(self.worker_id, kv_pools(self.engine), self.engine.layout.block_size,
-                                 self.engine.kv_compat(),
-                                 progress_thread=self.transfer.get("progress_thread", False))
+        super()._setup_transfers()
         self.ledger = TransferLedger(lease_s=self.transfer.get("lease_s", 30.0))
         self.leases_expired = 0
 
@@ -76,6 +67,3 @@ class PrefillWorker(EngineHost):
         with self._events_cv:  # a handoff not yet fetched must not reach a decode worker
             self._handoffs = [m for m in self._handoffs if m.request_id != request_id]
         return super()._abort_locked(request_id)
-
-    def _close_transfers(self) -> None:
-        self.nixl.close()

@@ -7,7 +7,7 @@ method (Ray imports this module in the actor's process, which has the checkout o
 
 from __future__ import annotations
 
-from loopserve.prefill_worker.host import EngineHost
+from loopserve.worker_host.host import EngineHost
 
 FAULT = "injected device fault"
 

@@ -18,9 +18,9 @@ from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_transfer.messages import HandoffMessage
-from loopserve.prefill_worker.engine_lock import EngineLock
-from loopserve.prefill_worker.events import WorkerEvents, WorkerLoad
-from loopserve.prefill_worker.records import RecentIds, StatusTraces
+from loopserve.worker_host.engine_lock import EngineLock
+from loopserve.worker_host.events import WorkerEvents, WorkerLoad
+from loopserve.worker_host.records import RecentIds, StatusTraces
 
 log = logging.getLogger(__name__)
 
