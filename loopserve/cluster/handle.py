@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from loopserve.engine.handoff import HandoffMessage
+from loopserve.engine.sampling_params import SamplingParams
 from loopserve.worker_host.events import WorkerEvents
 
 
@@ -35,10 +37,10 @@ class WorkerHandle(ABC):
     def add_peer(self, info: dict) -> None:
         self._call("add_peer", info)
 
-    def submit(self, request_id: str, prompt: str | list[int], params: dict) -> bool:
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> bool:
         return self._call("submit", request_id, prompt, params)
 
-    def submit_handoff(self, message: Any) -> bool:
+    def submit_handoff(self, message: HandoffMessage) -> bool:
         return self._call("submit_handoff", message)
 
     def get_events(self, timeout: float) -> WorkerEvents:

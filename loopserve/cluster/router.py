@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.migration import StreamHistory
 from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.worker_host.events import WorkerLoad
-from loopserve.worker_host.handoff import handoff_blocks
 from loopserve.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,7 @@ class Router:
         st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
         entry = self._workers[st.entry]
         try:
-            accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt,
-                                               params.to_dict())
+            accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt, params)
         except asyncio.CancelledError:
             self._abort_later(st.request_id)
             raise
@@ -310,7 +309,7 @@ class Router:
     def _resubmit(self, st: _Stream, request_id: str, entry: _WorkerState, prompt, params,
                   error: str) -> None:
         try:
-            entry.handle.submit(request_id, prompt, params.to_dict())  # False: aborted meanwhile
+            entry.handle.submit(request_id, prompt, params)  # False: aborted meanwhile
         except Exception as e:  # noqa: BLE001 - dead too, or full: try the next one
             with self._lock:
                 entry.unsend()
@@ -364,11 +363,11 @@ class Router:
             return
         self._push(st, out)
 
-    def _route_handoff(self, prefill: _WorkerState, msg) -> None:
+    def _route_handoff(self, prefill: _WorkerState, msg: HandoffMessage) -> None:
         rid = msg.request_id
         with self._lock:
             st = self._streams.get(rid)
-            target = self._pick_decode(handoff_blocks(msg), st.avoid) if st is not None else None
+            target = self._pick_decode(msg.looped_blocks(), st.avoid) if st is not None else None
             if target is not None:
                 st.decode = target.id
         if st is None:  # aborted meanwhile: let the prefill side free the blocks now

@@ -18,9 +18,8 @@ import time
 from collections import deque
 
 from loopserve.engine.outputs import RequestOutput
-from loopserve.kv_transfer.connector import ReceiveTracker
-from loopserve.kv_transfer.messages import HandoffMessage
-from loopserve.worker_host.handoff import handoff_blocks
+from loopserve.kv_transfer.leases import ReceiveTracker
+from loopserve.engine.handoff import HandoffMessage
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class DecodeWorker(TransferHost):
         return bool(self._inbox or self._held or self._reading)
 
     def _unplaced(self) -> tuple[int, int]:
-        return len(self._inbox), sum(handoff_blocks(m) for m in self._inbox)
+        return len(self._inbox), sum(m.looped_blocks() for m in self._inbox)
 
     def _abort_locked(self, request_id: str) -> bool:
         if request_id in self._reading:

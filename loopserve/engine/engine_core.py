@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.engine import handoff
 from loopserve.engine.config import EngineConfig
-from loopserve.kv_transfer.messages import HandoffMessage
+from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.outputs import EngineCounters, RequestOutput
@@ -301,7 +302,7 @@ class EngineCore:
             if req.final_sent:  # ended outside this batch: aborted, or a stop read back late
                 self._retire(rid)
                 continue
-            if req._new_tokens or req.finished:
+            if req.has_news() or req.finished:
                 self._pending_outputs.append(req.take_output())
         for rid in events.finished:
             req = self.requests.get(rid)
@@ -314,20 +315,8 @@ class EngineCore:
     def on_transferring(self, request_ids: list[str]) -> None:
         """Prefill role: the prompt is done and its KV awaits a reader; describe the handoff."""
         for rid in request_ids:
-            req = self.requests[rid]
-            self._handoffs.append(HandoffMessage(
-                request_id=rid,
-                prompt_token_ids=list(req.prompt_token_ids),
-                output_token_ids=list(req.output_token_ids),
-                exit_depths=[req.exit_depth.get(p, 0) for p in range(req.num_tokens - 1)],
-                params=req.params.to_dict(),
-                seed=req.seed,
-                block_table=self.kv_manager.block_table(rid).to_dict(),
-                num_kv_tokens=req.prompt_len,
-                arrival_time=req.arrival_time,
-                first_token_time=req.first_token_time,
-                compat=self.kv_compat(),
-            ))
+            self._handoffs.append(handoff.pack(self.requests[rid], self.kv_manager.block_table(rid),
+                                               self.kv_compat()))
 
     def take_handoffs(self) -> list[HandoffMessage]:
         out, self._handoffs = self._handoffs, []
@@ -344,21 +333,9 @@ class EngineCore:
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
         self._check_alive()
-        params = SamplingParams.from_dict(h.params)
         if h.request_id in self.requests:
             raise ValueError(f"request_id {h.request_id!r} is already in use")
-        req = Request(h.request_id, list(h.prompt_token_ids), params, h.seed,
-                      self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id,
-                      arrival_time=h.arrival_time)
-        for t in h.output_token_ids:  # replay the first token(s) into the detokenizer
-            req.text += req.detok.add(t)
-        # The prefill side held back a possible stop-string prefix; stream it from here.
-        hold = max(map(len, params.stop)) - 1 if params.stop else 0
-        req._streamed_chars = max(0, len(req.text) - hold)
-        req.output_token_ids = list(h.output_token_ids)
-        req.first_token_time = h.first_token_time
-        req.exit_depth = dict(enumerate(h.exit_depths))
-        req._prompt_sent = True  # the prefill side's first output carried it
+        req = handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
         if not self.scheduler.add_receiving(self._sched_request(req), h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req

@@ -91,10 +91,29 @@ class Request:
         if self.finish_reason is None and len(self.output_token_ids) >= p.max_tokens:
             self.finish_reason = "length"
 
+    def resume(self, output_token_ids: list[int], exit_depth: dict[int, int],
+               first_token_time: float | None) -> None:
+        """Continue a request another engine started (a handoff): its outputs so far were
+        streamed there, except the text a stop string could still claim, streamed from here."""
+        for t in output_token_ids:  # replay them into the detokenizer
+            self.text += self.detok.add(t)
+        self._streamed_chars = max(0, len(self.text) - self._stop_hold())
+        self.output_token_ids = list(output_token_ids)
+        self.exit_depth = dict(exit_depth)
+        self.first_token_time = first_token_time
+        self._prompt_sent = True
+
+    def has_news(self) -> bool:
+        """Tokens appended since the last take_output."""
+        return bool(self._new_tokens)
+
+    def _stop_hold(self) -> int:
+        """Characters held back while a stop string could still match across the next token."""
+        return max(map(len, self.params.stop)) - 1 if self.params.stop else 0
+
     def take_output(self, error: str | None = None) -> RequestOutput:
         """The news since the last call (tokens, text, depths, timings) as one RequestOutput."""
-        # While a stop string could still match across the next token, hold its length back.
-        hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
+        hold = 0 if self.finished else self._stop_hold()
         upto = max(self._streamed_chars, len(self.text) - hold)
         delta, self._streamed_chars = self.text[self._streamed_chars : upto], upto
         out = RequestOutput(

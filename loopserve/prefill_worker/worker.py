@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from loopserve.kv_transfer.connector import TransferLedger
+from loopserve.kv_transfer.leases import TransferLedger
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loopserve.engine.outputs import RequestOutput
-from loopserve.kv_transfer.messages import HandoffMessage
+from loopserve.engine.handoff import HandoffMessage
 
 
 @dataclass(frozen=True)

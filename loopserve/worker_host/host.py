@@ -17,7 +17,7 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.kv_transfer.messages import HandoffMessage
+from loopserve.engine.handoff import HandoffMessage
 from loopserve.worker_host.engine_lock import EngineLock
 from loopserve.worker_host.events import WorkerEvents, WorkerLoad
 from loopserve.worker_host.records import RecentIds, StatusTraces
@@ -114,7 +114,7 @@ class EngineHost:
                 self.traces.record(out.request_id, "FINISHED")
 
     # ------------------------------------------------------------------ RPC surface
-    def submit(self, request_id: str, prompt: str | list[int], params: dict) -> bool:
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> bool:
         """Queue a request; ValueError names a bad field, QueueFullError when the queue is full.
 
         False if the request was aborted before it arrived.
@@ -123,7 +123,7 @@ class EngineHost:
             if self._aborted_early.pop(request_id):
                 return False
             self._check_healthy()
-            self.engine.add_request(prompt, SamplingParams.from_dict(params), request_id)
+            self.engine.add_request(prompt, params, request_id)
             self._accepted += 1
             self._observe()
         self._wake.set()

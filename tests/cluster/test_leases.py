@@ -22,7 +22,7 @@ def test_unread_handoff_is_freed_when_its_lease_expires():
     h = ProcessWorkerHandle(WorkerSpec("prefill-lease", "prefill", ENGINE, {"lease_s": 0.5}))
     try:
         h.wait_ready(120)
-        assert h.submit("orphan", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8).to_dict())
+        assert h.submit("orphan", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8))
         handoffs, deadline = [], time.monotonic() + 30
         while not handoffs and time.monotonic() < deadline:
             handoffs = h.get_events(0.5).handoffs

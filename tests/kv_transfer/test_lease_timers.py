@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopserve.kv_transfer.connector import ReceiveTracker, TransferLedger
+from loopserve.kv_transfer.leases import ReceiveTracker, TransferLedger
 
 
 def test_unrenewed_lease_expires_exactly_at_its_deadline_and_only_once():

@@ -1,8 +1,11 @@
-"""The one message that crosses from a prefill engine to a decode engine besides KV blocks.
+"""The handoff: the one message that crosses from a prefill engine to a decode engine besides
+KV blocks, and how an engine packs a request into it and unpacks it again.
 
-Plain types only (ints, floats, strings, lists, dicts), so it travels as JSON, msgpack or a
-pickle (Ray) alike. It is validated on construction: a malformed handoff fails where it is
-made or received, not halfway through a decode step.
+The engine owns it because only the engine knows a request's state; workers and the router
+carry it (pickled by Ray or the process launcher) and read its size. It is validated on
+construction: a malformed handoff fails where it is made or received, not halfway through a
+decode step. `to_dict` / `from_dict` give its plain-types form for a transport that does
+not pickle.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from loopserve.engine.request import Request
+from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable
 
 _LOOP_KEYS = ("min_loops", "max_loops", "exit_threshold")
@@ -29,7 +34,7 @@ class HandoffMessage:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # sampled on the prefill side (the first token)
     exit_depths: list[int]  # loop depth each position with KV exited at (prompt, then outputs)
-    params: dict  # SamplingParams.to_dict(), loop fields resolved
+    params: SamplingParams  # loop fields resolved
     seed: int  # sampling RNG state is (seed, num_draws): draws are counter based
     block_table: dict  # the prefill side's BlockTable.to_dict()
     num_kv_tokens: int  # positions whose KV is complete on every plane
@@ -51,6 +56,8 @@ class HandoffMessage:
         if not self.num_kv_tokens <= len(self.exit_depths) <= total:
             raise ValueError(f"{where}: exit_depths must cover the {self.num_kv_tokens} positions with KV "
                              f"and at most {total}, got {len(self.exit_depths)}")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"{where}: params must be SamplingParams, got {type(self.params).__name__}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"{where}: seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.compat.get("block_size"), int) or self.compat["block_size"] < 1:
@@ -79,11 +86,17 @@ class HandoffMessage:
 
     @property
     def loop_params(self) -> dict:
-        return {k: self.params.get(k) for k in _LOOP_KEYS}
+        return {k: getattr(self.params, k) for k in _LOOP_KEYS}
 
     @property
     def compat_hash(self) -> str:
         return compat_hash(self.compat)
+
+    def looped_blocks(self) -> int:
+        """Looped blocks a decode engine reserves for it: prompt + max_tokens on every plane
+        the prefill side's block table has (one for a model whose loops share a plane)."""
+        tokens = len(self.prompt_token_ids) + self.params.max_tokens
+        return -(-tokens // self.block_size) * self.table().num_planes
 
     def table(self) -> BlockTable:
         try:
@@ -93,7 +106,7 @@ class HandoffMessage:
                              f"{{'flat': [...], 'depth': [[...], ...]}}, got {self.block_table!r}") from e
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "params": self.params.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HandoffMessage:
@@ -103,11 +116,29 @@ class HandoffMessage:
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         if missing := sorted(required - set(d)):
             raise ValueError(f"HandoffMessage: missing fields {missing}")
-        return cls(**d)
+        return cls(**{**d, "params": SamplingParams.from_dict(d["params"])})
 
-    def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
-    @classmethod
-    def from_json(cls, data: bytes | str) -> HandoffMessage:
-        return cls.from_dict(json.loads(data))
+def pack(req: Request, table: BlockTable, compat: dict) -> HandoffMessage:
+    """Prefill side: a request whose prompt is done (its first token sampled) as a handoff."""
+    return HandoffMessage(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        output_token_ids=list(req.output_token_ids),
+        exit_depths=[req.exit_depth.get(p, 0) for p in range(req.num_tokens - 1)],
+        params=req.params,
+        seed=req.seed,
+        block_table=table.to_dict(),
+        num_kv_tokens=req.prompt_len,
+        arrival_time=req.arrival_time,
+        first_token_time=req.first_token_time,
+        compat=compat,
+    )
+
+
+def unpack(h: HandoffMessage, detok: object, eos_token_id: int | None) -> Request:
+    """Decode side: the request as the prefill side left it, its first output already sent."""
+    req = Request(h.request_id, list(h.prompt_token_ids), h.params, h.seed, detok,
+                  eos_token_id=eos_token_id, arrival_time=h.arrival_time)
+    req.resume(h.output_token_ids, dict(enumerate(h.exit_depths)), h.first_token_time)
+    return req

@@ -1,4 +1,4 @@
-"""HandoffMessage: validation that names the field, JSON/msgpack round trips, derived facts."""
+"""HandoffMessage: validation that names the field, plain-types round trips, derived facts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import msgpack
 import pytest
 
-from loopserve.kv_transfer.messages import HandoffMessage, compat_hash
+from loopserve.engine.handoff import HandoffMessage, compat_hash
+from loopserve.engine.sampling_params import SamplingParams
 
 COMPAT = {"model": "tiny-huginn", "dtype": "float32", "block_size": 4, "max_loops": 2}
 
@@ -16,8 +17,8 @@ def message(**over) -> HandoffMessage:
     fields = dict(
         request_id="req-1", prompt_token_ids=[5, 6, 7, 8, 9], output_token_ids=[11],
         exit_depths=[2, 1, 2, 2, 1],
-        params={"max_tokens": 4, "temperature": 0.7, "seed": 3, "min_loops": 1, "max_loops": 2,
-                "exit_threshold": 0.9, "stop": ["\n"]},
+        params=SamplingParams(max_tokens=4, temperature=0.7, seed=3, min_loops=1, max_loops=2,
+                              exit_threshold=0.9, stop=("\n",)),
         seed=3, block_table={"flat": [4, 9], "depth": [[0, 1], [7, 2]]}, num_kv_tokens=5,
         arrival_time=10.5, first_token_time=10.75, prefill_engine_id="prefill-0", compat=dict(COMPAT))
     return HandoffMessage(**{**fields, **over})
@@ -25,9 +26,9 @@ def message(**over) -> HandoffMessage:
 
 def test_json_and_msgpack_round_trips_are_exact():
     m = message()
-    assert HandoffMessage.from_json(m.to_json()) == m
+    assert HandoffMessage.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert HandoffMessage.from_dict(msgpack.unpackb(msgpack.packb(m.to_dict()))) == m
-    assert json.loads(m.to_json())["block_table"] == {"flat": [4, 9], "depth": [[0, 1], [7, 2]]}
+    assert json.loads(json.dumps(m.to_dict()))["block_table"] == {"flat": [4, 9], "depth": [[0, 1], [7, 2]]}
 
 
 def test_derived_facts():
@@ -35,6 +36,7 @@ def test_derived_facts():
     assert m.block_size == 4 and m.num_draws == 1
     assert m.loop_params == {"min_loops": 1, "max_loops": 2, "exit_threshold": 0.9}
     assert m.table().depth == [[0, 1], [7, 2]] and m.table().flat == [4, 9]
+    assert m.looped_blocks() == 3 * 2  # (5 prompt + 4 max_tokens) tokens in blocks of 4, 2 planes
     assert m.compat_hash == compat_hash(dict(reversed(list(COMPAT.items()))))  # key order does not matter
     assert m.compat_hash != message(compat={**COMPAT, "dtype": "bfloat16"}).compat_hash
 
@@ -56,6 +58,18 @@ def test_derived_facts():
 def test_bad_messages_are_refused_naming_the_field(over, match):
     with pytest.raises(ValueError, match=match):
         message(**over)
+
+
+def test_a_one_plane_handoff_reserves_one_plane():
+    """A model whose loops share one KV plane (Dory last_loop) hands over one plane whatever
+    max_loops is: the block table, not max_loops, sizes the reservation."""
+    m = message(block_table={"flat": [4, 9], "depth": [[0, 1]]})
+    assert m.params.max_loops == 2 and m.looped_blocks() == 3
+
+
+def test_params_must_be_sampling_params():
+    with pytest.raises(ValueError, match="params must be SamplingParams, got dict"):
+        message(params={"max_tokens": 4})
 
 
 def test_from_dict_names_unknown_and_missing_fields():
