@@ -9,7 +9,6 @@ import itertools
 import logging
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +18,9 @@ from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.outputs import EngineCounters, RequestOutput
+from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
-from loopserve.engine.sampler import DrawnTokens, draw_tokens
+from loopserve.engine.sampler import draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
@@ -39,19 +39,10 @@ from loopserve.scheduler import (
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-UNREAD = -1  # the token a deferred sample reports to the scheduler (which counts, never reads, them)
 
 
 class EngineFailedError(RuntimeError):
     """New work for an engine whose step raised: it runs nothing more."""
-
-
-@dataclass
-class _Unread:
-    """A CODA's samples not yet applied on the host (defer_readback)."""
-
-    drawn: DrawnTokens
-    rows: dict[str, tuple[int, int]]  # request -> (row in drawn, position that produced it)
 
 
 class EngineCore:
@@ -111,7 +102,7 @@ class EngineCore:
         self._handoffs: list[HandoffMessage] = []
         # A prefill engine hands its request over right after the CODA: nothing to overlap.
         self._defer = config.defer_readback and config.role != "prefill"
-        self._unread: list[_Unread] = []  # oldest first; at most one per request
+        self._unread = UnreadSamples()
         self.error: str | None = None  # why the engine failed (see fail); None while it serves
 
     # ------------------------------------------------------------------ requests
@@ -183,10 +174,7 @@ class EngineCore:
         st = self.scheduler.get_request(request_id)
         if st is not None and st.in_flight:
             return
-        if self._unread:  # a sample of an aborted request is never read
-            for u in self._unread:
-                u.rows.pop(request_id, None)
-            self._unread = [u for u in self._unread if u.rows]
+        self._unread.drop(request_id)  # a sample of an aborted request is never read
         self.requests.pop(request_id, None)
         self.runner.drop(request_id)
 
@@ -213,7 +201,8 @@ class EngineCore:
             self.error = f"engine failed: {type(error).__name__}: {error}"
         if self._executor is not None:
             self._executor.shutdown(wait=True)  # nothing may still write to what is freed below
-        self._inflight, self._unread, self._handoffs = None, [], []
+        self._inflight, self._handoffs = None, []
+        self._unread.clear()
         self.scheduler.abort_all()
         outputs, self._pending_outputs = self._pending_outputs, []
         for rid, req in self.requests.items():
@@ -264,21 +253,13 @@ class EngineCore:
         if not self._unread:
             return
         got: list[Request] = []
-        for u in list(self._unread):
-            rids = list(u.rows) if only is None else [r for r in u.rows if r in only]
-            if not rids or not (wait or u.drawn.ready()):
+        for rid, sample, pos in self._unread.take(only, wait):
+            req = self.requests.get(rid)
+            if req is None or req.final_sent:  # aborted meanwhile
                 continue
-            samples = u.drawn.samples()
-            for rid in rids:
-                row, pos = u.rows.pop(rid)
-                req = self.requests.get(rid)
-                if req is None or req.final_sent:  # aborted meanwhile
-                    continue
-                req.append(samples[row], pos)
-                self.counters.tokens_generated += 1
-                got.append(req)
-            if not u.rows:
-                self._unread.remove(u)
+            req.append(sample, pos)
+            self.counters.tokens_generated += 1
+            got.append(req)
         for req in got:
             if not req.finished:
                 self._pending_outputs.append(req.take_output())
@@ -288,9 +269,9 @@ class EngineCore:
                 self._retire(req.request_id)
             # else the scheduler ended it in the batch being retired, which reports it
 
-    def _finish(self, batch: ScheduledBatch, result: BatchResult, unread: _Unread | None = None) -> None:
+    def _finish(self, batch: ScheduledBatch, result: BatchResult, unread: UnreadBatch | None = None) -> None:
         if unread is not None:
-            self._unread.append(unread)
+            self._unread.add(unread)
         events = self.scheduler.update(batch, result)
         if self._unread and events.finished:
             self._read_back(set(events.finished), wait=True)  # their last tokens, before the final output
@@ -367,7 +348,7 @@ class EngineCore:
         }
 
     # ------------------------------------------------------------------ execution
-    def _execute(self, batch: ScheduledBatch) -> tuple[BatchResult, _Unread | None]:
+    def _execute(self, batch: ScheduledBatch) -> tuple[BatchResult, UnreadBatch | None]:
         reqs = {i.request_id: self.requests[i.request_id] for i in batch.items}
         tables = {rid: self.kv_manager.block_table(rid) for rid in reqs}
         op = batch.operation
@@ -387,10 +368,10 @@ class EngineCore:
         return self.config.speculative.draft_loops if self.config.speculative else 0
 
     def _sample(self, items: list[BatchItem], reqs: dict[str, Request],
-                logits: dict[str, torch.Tensor | None]) -> tuple[dict[str, ItemResult], _Unread | None]:
+                logits: dict[str, torch.Tensor | None]) -> tuple[dict[str, ItemResult], UnreadBatch | None]:
         """Every item's CODA result; ordinary next tokens are drawn in one call for the whole
         batch (at most one device sync, not one per request), and with defer_readback not read
-        here: they stay on the device for the next PRELUDE and come back as `_Unread`."""
+        here: they stay on the device for the next PRELUDE and come back as an `UnreadBatch`."""
         out: dict[str, ItemResult] = {}
         plain: list[BatchItem] = []
         for item in items:
@@ -415,7 +396,7 @@ class EngineCore:
                 rids = [i.request_id for i in plain]
                 produced = [i.logits_positions[0] for i in plain]
                 self.runner.keep_tokens(rids, [p + 1 for p in produced], drawn.token_ids)
-                unread = _Unread(drawn, {rid: (k, p) for k, (rid, p) in enumerate(zip(rids, produced))})
+                unread = UnreadBatch(drawn, {rid: (k, p) for k, (rid, p) in enumerate(zip(rids, produced))})
                 for rid in rids:  # the scheduler sees max_tokens itself; stop tokens come later
                     out[rid] = ItemResult(sampled=(UNREAD,))
             else:
