@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from loopserve.kv_transfer.nixl_agent import NixlKVWorker, wait_reads
+from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 
 LAYERS, TOKENS, HEADS = 4, 16, 4  # block = [layers, 2, tokens, heads, head_dim] bf16
 
@@ -77,7 +77,10 @@ def main() -> None:
                 nonlocal seq
                 seq += 1
                 w.start_read(f"r{seq}", "bench-prefill", table_r, table_l, n * TOKENS)
-                done, failed = wait_reads(w, [f"r{seq}"], 60)
+                done, failed, end = [], [], time.monotonic() + 60
+                while not (done or failed) and time.monotonic() < end:
+                    done, failed = w.poll()
+                    time.sleep(0)  # let NIXL's progress thread run
                 assert done == [f"r{seq}"], failed
 
             t_nixl = best_of(args.reps, read)

@@ -151,7 +151,7 @@ class Router:
             self._closed = True
             streams, self._streams, self._live = list(self._streams.values()), {}, {}
         for st in streams:
-            self._push(st, _final(st, "abort", "server shutting down"))
+            self._push(st, RequestOutput.ended(st.request_id, "abort", "server shutting down"))
         for t in self._pumps:
             t.join(timeout=self.poll_s + 35)
         self._calls.shutdown(wait=True)
@@ -265,7 +265,7 @@ class Router:
             if self._live.get(st.client_id) == request_id:
                 del self._live[st.client_id]
             targets = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
-        self._push(st, _final(st, reason, error))
+        self._push(st, RequestOutput.ended(st.request_id, reason, error))
         for w in targets:
             self._call_quietly(w, "abort", request_id)
         return True
@@ -300,7 +300,7 @@ class Router:
         for w in old:  # survivors free the old attempt's blocks now (a dead one just fails)
             self._calls.submit(self._call_quietly, w, "abort", request_id)
         if entry is None:
-            self._push(st, _final(st, "error", f"{error} ({why})"))
+            self._push(st, RequestOutput.ended(st.request_id, "error", f"{error} ({why})"))
             return
         log.warning("%s: %s; continuing on %s as %s after %d token(s)", st.client_id, error,
                     entry.id, st.request_id, len(st.history.tokens))
@@ -445,10 +445,6 @@ def _preferred(workers: list[_WorkerState], avoid: set[str]) -> list[_WorkerStat
     """Healthy workers, without those in `avoid` unless that leaves none."""
     healthy = [w for w in workers if w.healthy]
     return [w for w in healthy if w.id not in avoid] or healthy
-
-
-def _final(st: _Stream, reason: str, error: str | None) -> RequestOutput:
-    return RequestOutput(st.request_id, (), "", (), finished=True, finish_reason=reason, error=error)
 
 
 def _safe(fn, **kw) -> dict:

@@ -88,7 +88,7 @@ class DecodeWorker(TransferHost):
             except ValueError as e:  # a duplicate id or an impossible request: fail it alone
                 self._inbox.popleft()
                 self._release(msg)
-                self._publish([_error_output(msg.request_id, str(e))])
+                self._publish([RequestOutput.ended(msg.request_id, "error", str(e))])
                 continue
             if table is None:  # no blocks yet: retried next tick, the lease renewed meanwhile
                 break
@@ -148,7 +148,7 @@ class DecodeWorker(TransferHost):
         self._release(msg)
         error = f"KV read did not finish within {self.tracker.timeout_s} s"
         log.warning("%s: %s: %s", self.worker_id, request_id, error)
-        self._publish([_error_output(request_id, error)])
+        self._publish([RequestOutput.ended(request_id, "error", error)])
         self.traces.record(request_id, "FINISHED")
 
     def _release(self, msg: HandoffMessage) -> None:
@@ -198,7 +198,3 @@ class DecodeWorker(TransferHost):
             return {**super().stats(), "kv_reads": dict(self.reads),
                     "inbox": len(self._inbox), "held": len(self._held),
                     "reading": len(self._reading)}
-
-
-def _error_output(request_id: str, error: str) -> RequestOutput:
-    return RequestOutput(request_id, (), "", (), finished=True, finish_reason="error", error=error)

@@ -17,7 +17,8 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.model.layers import fuse_elementwise
-from loopserve.engine.outputs import EngineCounters, RequestOutput
+from loopserve.engine.counters import EngineCounters
+from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import draw_tokens

@@ -23,6 +23,12 @@ class RequestOutput:
     num_output_tokens: int = 0
     prompt_token_ids: tuple[int, ...] | None = None  # on a request's first output only
 
+    @classmethod
+    def ended(cls, request_id: str, reason: str, error: str | None = None) -> RequestOutput:
+        """The last output of a request that ends outside a step (aborted, failed, lost its
+        worker): no news, just the end and why."""
+        return cls(request_id, (), "", (), finished=True, finish_reason=reason, error=error)
+
 
 @dataclass
 class CompletionOutput:
@@ -52,16 +58,3 @@ class CompletionOutput:
         self.arrival_time = out.arrival_time
         if out.finished:
             self.finish_reason, self.error = out.finish_reason, out.error
-
-
-@dataclass
-class EngineCounters:
-    tokens_generated: int = 0
-    prompt_tokens: int = 0
-    loops_run: int = 0  # rows x loops executed in RECURRENT batches
-    batches: dict[str, int] = field(default_factory=lambda: {"PRELUDE": 0, "RECURRENT": 0, "CODA": 0})
-    preemptions: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0

@@ -18,7 +18,6 @@ import importlib
 import json
 import logging
 import os
-import time
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -406,15 +405,3 @@ class NixlKVWorker:
             except Exception as e:  # noqa: BLE001
                 log.warning("%s: NIXL teardown step failed: %s", self.engine_id, e)
         self._regs = []
-
-
-def wait_reads(worker: NixlKVWorker, request_ids: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
-    """Poll until every id in request_ids is done or failed, or timeout_s passes (tests, benchmarks)."""
-    want, done, failed = set(request_ids), [], []
-    end = time.monotonic() + timeout_s
-    while want - set(done) - set(failed) and time.monotonic() < end:
-        d, f = worker.poll()
-        done += d
-        failed += f
-        time.sleep(0)  # let NIXL's progress thread run on a busy machine
-    return done, failed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import time
 
 import pytest
 import torch
@@ -18,12 +19,23 @@ from loopserve.kv_transfer.nixl_agent import (
     NixlKVWorker,
     NixlUnavailableError,
     UnknownPeerError,
-    wait_reads,
 )
 from tests.kv_transfer.owner import BLOCK_SIZE, COMPAT, DTYPE, SHAPES, make_pools, serve
 
 OWNER = "prefill-0"
 SENTINEL = -7.0  # what the reader's blocks hold before a READ lands
+
+
+def wait_reads(worker: NixlKVWorker, request_ids: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
+    """Poll until every id in request_ids is done or failed, or timeout_s passes."""
+    want, done, failed = set(request_ids), [], []
+    end = time.monotonic() + timeout_s
+    while want - set(done) - set(failed) and time.monotonic() < end:
+        d, f = worker.poll()
+        done += d
+        failed += f
+        time.sleep(0)  # let NIXL's progress thread run on a busy machine
+    return done, failed
 
 
 class Owner:
