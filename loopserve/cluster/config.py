@@ -51,9 +51,6 @@ class TransferConfig(_Strict):
     # One UCX progress thread per NIXL agent spins a CPU core; off, each worker's step loop
     # drives NIXL itself every tick (what CPU clusters want; on GPU hosts cores are plenty).
     progress_thread: bool = False
-    # Fault injection, for tests: decode workers hold each READ this long before posting it,
-    # so requests stay RECEIVING (decode) / TRANSFERRING (prefill) for a known time.
-    inject_read_delay_s: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> TransferConfig:

@@ -32,8 +32,6 @@ class DecodeWorker(TransferHost):
         super()._setup_transfers()
         self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
-        self.read_delay_s = self.transfer.get("inject_read_delay_s", 0.0)
-        self._held: dict[str, tuple[HandoffMessage, object, float]] = {}  # injected delay: (msg, table, due)
         self._inbox: deque[HandoffMessage] = deque()  # waiting for blocks
         self._reading: dict[str, tuple[HandoffMessage, float, int]] = {}  # READ in flight: (msg, t0, bytes)
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
@@ -65,7 +63,7 @@ class DecodeWorker(TransferHost):
     # ------------------------------------------------------------------ transfers
     def _poll_transfers(self) -> bool:
         now = time.monotonic()
-        placed = self._place_inbox(now) + self._post_held(now)
+        placed = self._place_inbox(now)
         done, failed = self.nixl.poll()
         for rid in done:
             self._read_finished(rid, None)
@@ -94,15 +92,8 @@ class DecodeWorker(TransferHost):
                 break
             self._inbox.popleft()
             self.traces.record(msg.request_id, "RECEIVING")
-            if self.read_delay_s:
-                self._held[msg.request_id] = (msg, table, now + self.read_delay_s)
-            else:
-                placed += self._start_read(msg, table, now)
+            placed += self._start_read(msg, table, now)
         return placed
-
-    def _post_held(self, now: float) -> int:
-        due = [rid for rid, (_, _, t) in self._held.items() if t <= now]
-        return sum(self._start_read(*self._held.pop(rid)[:2], now) for rid in due)
 
     def _start_read(self, msg: HandoffMessage, table, now: float) -> bool:
         rid = msg.request_id
@@ -161,8 +152,7 @@ class DecodeWorker(TransferHost):
             return
         self._next_heartbeat = now + self.heartbeat_s
         renew: dict[str, list[str]] = {}
-        waiting = [*self._inbox, *(m for m, _, _ in self._held.values()),
-                   *(m for m, _, _ in self._reading.values())]
+        waiting = [*self._inbox, *(m for m, _, _ in self._reading.values())]
         for msg in waiting:
             if msg.request_id not in self._dropped:
                 renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
@@ -170,7 +160,7 @@ class DecodeWorker(TransferHost):
             self.nixl.notify(peer, "renew", ids)
 
     def _transfers_pending(self) -> bool:
-        return bool(self._inbox or self._held or self._reading)
+        return bool(self._inbox or self._reading)
 
     def _unplaced(self) -> tuple[int, int]:
         return len(self._inbox), sum(m.looped_blocks() for m in self._inbox)
@@ -182,9 +172,6 @@ class DecodeWorker(TransferHost):
                 self._release(self._reading[request_id][0])
                 self.traces.record(request_id, "FINISHED")
             return True
-        if request_id in self._held:  # no READ posted: its blocks can go at once
-            self._release(self._held.pop(request_id)[0])
-            return super()._abort_locked(request_id)
         for msg in self._inbox:
             if msg.request_id == request_id:
                 self._inbox.remove(msg)
@@ -196,5 +183,4 @@ class DecodeWorker(TransferHost):
     def stats(self) -> dict:
         with self._lock:
             return {**super().stats(), "kv_reads": dict(self.reads),
-                    "inbox": len(self._inbox), "held": len(self._held),
-                    "reading": len(self._reading)}
+                    "inbox": len(self._inbox), "reading": len(self._reading)}

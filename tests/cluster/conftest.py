@@ -60,7 +60,7 @@ def pd_workers(ray_cluster):
     stop_all(handles)
 
 
-FAULT_TRANSFER = {"lease_s": 20, "heartbeat_s": 0.3, "read_timeout_s": 3, "inject_read_delay_s": 1.0}
+FAULT_TRANSFER = {"lease_s": 20, "heartbeat_s": 0.3, "read_timeout_s": 3}  # READs held: faulty.py
 
 
 @pytest.fixture(scope="session")
@@ -68,12 +68,15 @@ def fault_workers(ray_cluster):
     """{'prefill': [fp0, fp1], 'decode': [fd0, fd1]}: Ray workers the fault tests may kill
     (Ray restarts them), with every KV READ held for 1 s so requests sit in RECEIVING /
     TRANSFERRING, and prefill engines that admit one request at a time in 4-token chunks."""
-    from loopserve.cluster.ray_launcher import RayWorkerHandle
+    from loopserve.cluster import ray_launcher
+    from tests.cluster.faulty import fault_class
 
     cfg = pd_config(transfer=FAULT_TRANSFER, prefill={"num_workers": 2, "engine": {
         "max_num_seqs": 1, "split_prefill": True, "prefill_chunk_size": 4}})
     specs = [replace(s, worker_id=f"f{s.worker_id}", num_cpus=0.5) for s in plan(cfg)]
-    handles = [RayWorkerHandle(s, max_restarts=8) for s in specs]
+    with pytest.MonkeyPatch.context() as mp:  # the actor class Ray also restarts them as
+        mp.setattr(ray_launcher, "worker_class", fault_class)
+        handles = [ray_launcher.RayWorkerHandle(s, max_restarts=8) for s in specs]
     for h in handles:
         h.wait_ready(120)
     yield {role: [h for h in handles if h.role == role] for role in ("prefill", "decode")}

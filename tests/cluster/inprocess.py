@@ -7,6 +7,7 @@ validation and its errors are the real ones, only the transport is a call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from loopserve.cluster.handle import WorkerHandle
@@ -15,9 +16,9 @@ from loopserve.cluster.spec import worker_class
 
 class InProcessHandle(WorkerHandle):
     def __init__(self, worker_id: str, engine: dict, role: str = "colocated",
-                 transfer: dict | None = None) -> None:
+                 transfer: dict | None = None, classes: Callable[[str], type] = worker_class) -> None:
         super().__init__(worker_id, role)
-        self.host = worker_class(role)(worker_id, engine, transfer)
+        self.host = classes(role)(worker_id, engine, transfer)
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         return getattr(self.host, method)(*args)

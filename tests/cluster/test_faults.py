@@ -25,7 +25,7 @@ from loopserve.cluster.router import NoWorkerError, Router
 from loopserve.cluster.workload import WorkItem, run_workload
 from loopserve.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, FAULT_TRANSFER, colocated_reference, greedy_items, until
-from tests.cluster.faulty import FAULT, FaultyHost, break_engine
+from tests.cluster.faulty import FAULT, FaultyHost, break_engine, fault_class
 from tests.cluster.inprocess import InProcessHandle
 
 ray = pytest.importorskip("ray")
@@ -99,7 +99,7 @@ def test_read_that_never_completes_times_out_and_the_request_migrates(fault_work
         failed_before = reader.stats()["kv_reads"]["failed"]
         pid = frozen.health()["pid"]
         os.kill(pid, signal.SIGSTOP)
-        try:  # held 1 s, then posted, then 3 s of read timeout
+        try:  # held 1 s, then posted; 3 s after it started, the READ times out
             results = await asyncio.wait_for(task, 25)  # served by the other pair meanwhile
             assert reader.trace("frozen") == ["RECEIVING", "FINISHED"]
         finally:
@@ -188,7 +188,7 @@ def test_a_decode_worker_whose_engine_step_raises_is_stopped_and_its_requests_mi
     requests still RECEIVING. Every request completes through the other decode worker, the
     broken one is left with nothing, the survivors free every block."""
     p = InProcessHandle("breakable-p", ENGINE, "prefill", FAULT_TRANSFER)
-    ds = [InProcessHandle(f"breakable-d{i}", ENGINE, "decode", FAULT_TRANSFER) for i in range(2)]
+    ds = [InProcessHandle(f"breakable-d{i}", ENGINE, "decode", FAULT_TRANSFER, fault_class) for i in range(2)]
     router = Router([p], ds, poll_s=0.1).start()
     try:
         items = greedy_items(6, seed=29, max_tokens=32)
