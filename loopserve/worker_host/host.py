@@ -2,8 +2,8 @@
 
 Everything the engine does happens on the thread that calls it, so every engine call (the
 step loop's and the RPC threads') holds one lock. The host itself is the colocated worker;
-PrefillWorker and DecodeWorker add KV transfer through the `_poll_transfers` /
-`_after_step` hooks. Methods are the RPC surface a `WorkerHandle` calls (Ray actor methods
+PrefillWorker and DecodeWorker (through TransferHost, which owns their NIXL agent) add KV
+transfer through the `_poll_transfers` / `_after_step` hooks. Methods are the RPC surface a `WorkerHandle` calls (Ray actor methods
 or plain-process RPC), so arguments and results are plain picklable values.
 """
 
