@@ -26,7 +26,7 @@ from loopserve.model.attention.base import write_kv
 from loopserve.model.attention.torch_ref import TorchAttention
 from loopserve.model.attention.triton_backend import TritonAttention
 from loopserve.model.attention.triton_kv_write import triton_write_kv
-from loopserve.model.batch import build_attn_metadata
+from tests.attn_metadata import build_attn_metadata
 
 
 def graph_ms(fn) -> float:

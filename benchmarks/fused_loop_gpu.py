@@ -23,7 +23,8 @@ import sys
 import torch
 from gemv_gpu import graph_time  # benchmarks/ is the script's directory
 
-from loopserve.model.batch import LoopState, host_batch
+from loopserve.engine.host_batch import host_batch
+from loopserve.model.batch import LoopState
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
 from loopserve.model.layers import fuse_elementwise

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from loopserve.engine.state_store import SINK, ZERO
-from loopserve.model.batch import HostBatch, ModelBatch
+from loopserve.engine.host_batch import HostBatch
+from loopserve.model.batch import ModelBatch
 from loopserve.scheduler import Operation
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -74,7 +75,7 @@ class DecodeGraphs:
         buf = self._inputs[p]
         self.runs += 1
         if not self.capture:
-            return _rows(forward(_decode_view(padded.to(self.device, out=buf, max_context_len=ctx))), t)
+            return _rows(forward(_decode_view(padded.to(self.device, out=buf, max_context_len=ctx), hb.operation)), t)
         if slab_version != self._slab_version:
             self._graphs.clear()
             self._slab_version = slab_version
@@ -86,7 +87,7 @@ class DecodeGraphs:
             # the warm-up runs for real: its state goes to SINK, so the replay below starts
             # from the same state (its K/V writes are the replay's)
             sunk = dataclasses.replace(padded, state_out=[SINK] * p)
-            self._graphs[key] = self._record(forward, _decode_view(sunk.to(self.device, out=buf, max_context_len=ctx)))
+            self._graphs[key] = self._record(forward, _decode_view(sunk.to(self.device, out=buf, max_context_len=ctx), hb.operation))
         padded.copy_to(buf)
         graph, out = self._graphs[key]
         graph.replay()
@@ -104,9 +105,8 @@ class DecodeGraphs:
         return graph, out
 
 
-def _decode_view(mb: ModelBatch) -> ModelBatch:
-    """The Operation's own fields of a padded batch (whose layout carries all of them)."""
-    op = mb.operation
+def _decode_view(mb: ModelBatch, op: Operation) -> ModelBatch:
+    """Operation `op`'s own fields of a padded batch (whose layout carries all of them)."""
     if op is not Operation.PRELUDE:
         mb.token_ids = mb.seeds = None
     if op is not Operation.CODA:

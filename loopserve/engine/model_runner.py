@@ -14,7 +14,8 @@ from loopserve.engine.cuda_graphs import DecodeGraphs
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
-from loopserve.model.batch import HostBatch, LoopState, ModelBatch, device_tensor, host_batch
+from loopserve.engine.host_batch import HostBatch, host_batch
+from loopserve.model.batch import LoopState, ModelBatch, device_tensor
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import Operation, ScheduledBatch

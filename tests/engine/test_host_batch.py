@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from loopserve.engine.request import Request
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.model.batch import _slots, host_batch, host_tensor
+from loopserve.engine.host_batch import _slots, host_batch
+from loopserve.model.batch import host_tensor
 from loopserve.scheduler import Operation
 
 

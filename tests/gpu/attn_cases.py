@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.model.attention.torch_ref import TorchAttention
-from loopserve.model.batch import AttnMetadata, build_attn_metadata
+from loopserve.model.batch import AttnMetadata
+from tests.attn_metadata import build_attn_metadata
 from loopserve.model.layers import Rope, Rotation
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

@@ -3,7 +3,8 @@ batch over a random KV pool, and the fused-vs-per-layer comparison."""
 
 import torch
 
-from loopserve.model.batch import LoopState, host_batch
+from loopserve.engine.host_batch import host_batch
+from loopserve.model.batch import LoopState
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler.types import Operation
 

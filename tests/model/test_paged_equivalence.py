@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from loopserve.kv_cache import KVCacheManager, KVLayout
-from loopserve.model.batch import LoopState, ModelBatch, build_attn_metadata
+from loopserve.model.batch import LoopState, ModelBatch
+from tests.attn_metadata import build_attn_metadata
 from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
 from loopserve.model.exit_rule import exit_mask
 from loopserve.model.paged_kv import PagedKVCache
@@ -44,7 +45,7 @@ class Driver:
             pos += ps
             depths += [d] * len(ps)
         meta = build_attn_metadata(seg, pos, blocks, self.bs, torch.device("cpu"))
-        return ModelBatch(op, torch.tensor(pos), torch.tensor(depths), meta)
+        return ModelBatch(torch.tensor(pos), torch.tensor(depths), meta)
 
     def fill_deeper(self, rid, p, d, planes):
         t, bs = self.kvm.block_table(rid), self.bs

@@ -18,7 +18,7 @@ if torch.cuda.is_available():
 
 from loopserve.model.attention import triton_backend  # noqa: E402
 from loopserve.model.attention.triton_backend import TritonAttention  # noqa: E402
-from loopserve.model.batch import build_attn_metadata  # noqa: E402
+from tests.attn_metadata import build_attn_metadata  # noqa: E402
 from loopserve.model.layers import Rope  # noqa: E402
 from tests.gpu.attn_cases import assert_matches, make_case, random_segments  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_split_kv(splits):
 def test_fresh_prompt_segments_take_sdpa_the_rest_the_paged_kernel(dtype):
     """Fresh prompts (rows 0..n-1) and the rest of a mixed batch (a gappy chunk whose row 2
     exited, a later chunk, decode rows, a short fresh prompt) in one forward."""
-    from loopserve.model.batch import fresh_segments
+    from loopserve.model.attention.segments import fresh_segments
 
     segs = [list(range(9)), [0, 1, 3, 4, 5, 6], [17], list(range(6, 14)), list(range(12)), [0, 1], [30]]
     case = make_case(segs, hq=8, hkv=2, head_dim=16, block_size=4, dtype=dtype, device="cpu",

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
 from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
-from loopserve.model.batch import AttnMetadata, fresh_segments, subset
+from loopserve.model.attention.segments import fresh_segments, subset
+from loopserve.model.batch import AttnMetadata
 from loopserve.model.layers import Rotation
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

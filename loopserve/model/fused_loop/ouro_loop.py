@@ -222,7 +222,7 @@ class OuroFusedLoop:
         """The kernel's arguments but the phase span, its constexprs and launch options, and its
         outputs (normed hidden, Π(1-σ), score), on a fresh workspace for a `progs`-program grid
         (run False: only to compile, so the counters are not zeroed nor phase times kept). On
-        the meta device, what compiling the kernel offline as the JIT would needs (offline.py)."""
+        the meta device, what compiling the kernel offline as the JIT would needs."""
         m, cfg = self.model, self.model.config
         st = self.stacked()
         hidden = state.hidden
