@@ -103,7 +103,6 @@ def test_model_imports_no_worker_package():
                                           "loopserve.worker_host")) == []
 
 
-@pytest.mark.xfail(strict=False, reason="issue 25 part B removes model/ -> scheduler/ and engine/ edges")
 def test_model_imports_neither_scheduler_nor_engine():
     assert _offending("loopserve.model", ("loopserve.scheduler", "loopserve.engine")) == []
 
