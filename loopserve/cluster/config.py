@@ -67,7 +67,8 @@ def _env_token() -> SecretStr | None:
 
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"  # loopback only unless asked: plaintext and no token by default
-    port: int = Field(50051, ge=0, le=65535)  # 0: any free port
+    port: int = Field(50051, ge=0, le=65535)  # gRPC; 0: any free port
+    http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
     # Generate streams in flight; beyond, new ones get RESOURCE_EXHAUSTED at once (the other
@@ -171,7 +172,7 @@ def load_cluster_config(source: str | Path | dict | None = None, **overrides) ->
         raise ConfigError(where + describe(e)) from None
 
 
-SERVER_FLAGS = {"host": "host", "port": "port", "tls_cert": "tls_cert_file", "tls_key": "tls_key_file",
+SERVER_FLAGS = {"host": "host", "port": "port", "http_port": "http_port", "tls_cert": "tls_cert_file", "tls_key": "tls_key_file",
                 "tls_client_ca": "tls_client_ca_file"}
 
 
@@ -180,6 +181,8 @@ def server_overrides(config: ClusterConfig, args: argparse.Namespace) -> Cluster
     overrides = {key: v for flag, key in SERVER_FLAGS.items() if (v := getattr(args, flag)) is not None}
     if not overrides:
         return config
+    if overrides.get("http_port") == -1:  # --http-port -1: no HTTP server
+        overrides["http_port"] = None
     try:
         server = ServerConfig.model_validate({**config.server.model_dump(), **overrides})
     except ValidationError as e:
@@ -191,7 +194,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """Flags over the config's `server` section (the bearer token stays in YAML or the env:
     a flag would show it in the process list)."""
     p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP port (default 8000; -1: no HTTP server)")
     p.add_argument("--tls-cert", default=None, help="server certificate PEM (with --tls-key): TLS")
     p.add_argument("--tls-key", default=None, help="server private key PEM")
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA (mTLS)")

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loopserve.cluster.job", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
-    p.add_argument("--serve", action="store_true", help="serve gRPC instead of running a workload")
+    p.add_argument("--serve", action="store_true", help="serve (gRPC and OpenAI-compatible HTTP) "
+                   "instead of running a workload")
     p.add_argument("--duration", type=float, default=None, help="serve this many seconds, then exit")
     add_server_args(p)
     p.add_argument("--workload", type=int, default=8, help="number of requests to run")
@@ -38,9 +39,9 @@ def run_job(args: argparse.Namespace) -> int:
     config = server_overrides(load_cluster_config(args.config), args)
     with Cluster(config) as cluster:
         if args.serve:
-            from loopserve.cluster.server import serve_forever
+            from loopserve.entrypoints.serve import serve_forever
 
-            asyncio.run(serve_forever(cluster.router, config.server, args.duration))
+            asyncio.run(serve_forever(cluster.router, config, args.duration))
             return 0
         items = make_workload(args.workload, seed=args.seed, max_tokens=args.max_tokens, rate=args.rate)
         t0 = time.perf_counter()

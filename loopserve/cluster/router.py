@@ -13,6 +13,8 @@ its handle's `restart()` replaces it (Ray) or stops it for good.
 Streams are asyncio queues fed with `call_soon_threadsafe`, so a request's first token (from
 the prefill side) always precedes its decode tokens: the handoff is forwarded after the
 outputs of the same batch were queued.
+Every front (gRPC, HTTP) streams through `generate`, so the request metrics are observed
+there (`self.metrics`, whose registry also reads the workers' stats at scrape time).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from loopserve.cluster.migration import StreamHistory
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.metrics import ServingMetrics, WorkerCollector
 from loopserve.worker_host.events import WorkerLoad
 from loopserve.scheduler import QueueFullError
 
@@ -106,7 +109,8 @@ class _WorkerState:
 
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
-                 poll_s: float = 0.2, max_migrations: int = 2) -> None:
+                 poll_s: float = 0.2, max_migrations: int = 2,
+                 metrics: ServingMetrics | None = None) -> None:
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -128,6 +132,8 @@ class Router:
         self._closed = False
         self._pumps: list[threading.Thread] = []
         self._calls = ThreadPoolExecutor(8, "loopserve-router")
+        self.metrics = metrics or ServingMetrics()
+        self.metrics.add_collector(WorkerCollector(self.stats))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Router:
@@ -165,14 +171,21 @@ class Router:
         NoWorkerError before the first output.
         """
         params = params or SamplingParams()
-        st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
+        record = self.metrics.begin()
+        try:
+            st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
+        except (ValueError, NoWorkerError) as e:
+            record.refused(_refusal(e))
+            raise
         entry = self._workers[st.entry]
         try:
             accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt, params)
         except asyncio.CancelledError:
+            record.finish("abort")
             self._abort_later(st.request_id)
             raise
-        except (ValueError, QueueFullError):  # the request's fault, or backpressure: no retry
+        except (ValueError, QueueFullError) as e:  # the request's fault, or backpressure: no retry
+            record.refused(_refusal(e))
             with self._lock:
                 entry.unsend()
             self._forget(st)
@@ -183,6 +196,7 @@ class Router:
             self._migrate(st.request_id, f"submit to {entry.id} failed: {e}", {entry.id})
             accepted = True
         if not accepted:  # it was aborted while the submit travelled
+            record.finish("abort")
             self._forget(st)
             return
         finished = False
@@ -190,11 +204,13 @@ class Router:
             while True:
                 out = await st.queue.get()
                 finished = out.finished
+                record.output(out)
                 yield out if out.request_id == st.client_id else replace(out, request_id=st.client_id)
                 if finished:
                     return
         finally:
             if not finished:
+                record.finish("abort")
                 self._abort_later(st.request_id)
 
     def _open(self, client_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
@@ -206,6 +222,8 @@ class Router:
             if client_id in self._live:
                 raise RequestIdInUseError(f"request_id {client_id!r} is already in use by a live request")
             entry = self._pick_entry()
+            if self._decode and not any(w.healthy for w in self._decode):
+                raise NoWorkerError("no healthy decode worker")
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
                          StreamHistory(prompt, params))
@@ -304,6 +322,7 @@ class Router:
             return
         log.warning("%s: %s; continuing on %s as %s after %d token(s)", st.client_id, error,
                     entry.id, st.request_id, len(st.history.tokens))
+        self.metrics.migrations.inc()
         self._calls.submit(self._resubmit, st, st.request_id, entry, prompt, params, error)
 
     def _resubmit(self, st: _Stream, request_id: str, entry: _WorkerState, prompt, params,
@@ -428,7 +447,7 @@ class Router:
         """Every worker's stats (blocking; call from a thread)."""
         ws = list(self._workers.values())
         results = self._calls.map(lambda w: _safe(w.handle.stats), ws)
-        return {w.id: s for w, s in zip(ws, results)}
+        return {w.id: {"role": w.handle.role, **s} for w, s in zip(ws, results)}
 
     def health(self) -> dict[str, dict]:
         ws = list(self._workers.values())
@@ -439,6 +458,13 @@ class Router:
         """Streams still open (0 once every request finished, failed or was aborted)."""
         with self._lock:
             return len(self._streams)
+
+
+def _refusal(e: Exception) -> str:
+    """Why generate() refused a request, as the metrics count it."""
+    if isinstance(e, QueueFullError):
+        return "backpressure"
+    return "unavailable" if isinstance(e, NoWorkerError) else "invalid"
 
 
 def _preferred(workers: list[_WorkerState], avoid: set[str]) -> list[_WorkerState]:

@@ -1,4 +1,5 @@
-"""The gRPC server (grpc.aio): LoopServe over a Router, plus the standard grpc.health.v1.
+"""The gRPC server (grpc.aio): LoopServe over a Router, plus the standard grpc.health.v1 and
+server reflection (grpcurl lists and describes the services; the token guards it too).
 
 Generate streams the first token as soon as the prefill side has it, then the decode side's
 tokens. A cancelled stream aborts the request on every engine holding it (the router's
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 from loopserve.cluster.auth import BearerTokenInterceptor
 from loopserve.cluster.config import ServerConfig
@@ -166,6 +167,10 @@ class Server:
         self._server.add_generic_rpc_handlers((_handlers(LoopServeServicer(self.router, self.config)),))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        # Reflection, so grpcurl and other generic clients can list and call the services.
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self._server)
         if self.config.tls:
             bound = self._server.add_secure_port(f"{self.host}:{self.port}", _tls(self.config))
         else:
@@ -203,18 +208,3 @@ class Server:
             self._health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
-
-
-async def serve_forever(router: Router, config: ServerConfig, duration: float | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (or `duration` seconds), then stop gracefully."""
-    server = await Server(router, config).start()
-    print(f"loopserve serving on {server.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=duration)
-    except TimeoutError:
-        pass
-    await server.stop()

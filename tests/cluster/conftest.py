@@ -116,6 +116,22 @@ def pools_back_to_baseline(request):
 
 
 @contextlib.contextmanager
+def running(server):
+    """`server` (anything with async start() and stop()) started in its own event loop's thread;
+    yields it started."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@contextlib.contextmanager
 def serving(router, client_options: dict | None = None, **server_options):
     """A real gRPC server over `router` on a free port, in its own event loop; yields a client
     (made with `client_options`). `server_options` are ServerConfig fields."""
@@ -123,19 +139,25 @@ def serving(router, client_options: dict | None = None, **server_options):
     from loopserve.cluster.config import ServerConfig
     from loopserve.cluster.server import Server
 
-    loop = asyncio.new_event_loop()
-    server = Server(router, ServerConfig(**{"port": 0, **server_options}))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    client = LoopServeClient(server.address, **(client_options or {}))
-    try:
-        yield client
-    finally:
-        client.close()
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with running(Server(router, ServerConfig(**{"port": 0, **server_options}))) as server:
+        client = LoopServeClient(server.address, **(client_options or {}))
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+@contextlib.contextmanager
+def http_serving(router, engine: dict = ENGINE, **server_options):
+    """The OpenAI-compatible HTTP server over `router` on a free port, in its own event loop;
+    yields it (`.url`). `server_options` are ServerConfig fields."""
+    from loopserve.cluster.config import ServerConfig
+    from loopserve.engine.config import EngineConfig
+    from loopserve.entrypoints.openai.server import HttpServer
+
+    config = ServerConfig(**{"http_port": 0, **server_options})
+    with running(HttpServer(router, config, EngineConfig(**engine))) as server:
+        yield server
 
 
 @contextlib.contextmanager

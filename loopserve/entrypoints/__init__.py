@@ -1,0 +1,1 @@
+"""Front ends over a Router besides the gRPC server (cluster/server.py)."""

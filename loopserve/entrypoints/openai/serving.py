@@ -1,0 +1,294 @@
+"""OpenAI completions and chat completions served through the router.
+
+Every choice is one router request (`choices.py`); its outputs become the OpenAI response
+(non-streaming) or SSE chunks (`data: {...}` lines, then `data: [DONE]`). The router's
+refusals become HTTP statuses before any response starts (APIError); an engine error after
+the first output ends a stream with an error event, or a non-streaming request with a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from loopserve.cluster.limits import RequestLimits, check_limits
+from loopserve.cluster.protocol import request_to_proto
+from loopserve.cluster.router import NoWorkerError, Router
+from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.entrypoints.openai.chat_template import ChatTemplate
+from loopserve.entrypoints.openai.choices import ChoiceStreams, Job
+from loopserve.entrypoints.openai.protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, Delta, ErrorInfo, ErrorResponse, TokenLogprob,
+    TopLogprob, Usage)
+from loopserve.model.tokenizer import ByteTokenizer
+from loopserve.scheduler import QueueFullError
+
+
+class APIError(Exception):
+    """An OpenAI error object with its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param = status, type_, param
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=str(self), type=self.type, param=self.param,
+                                             code=self.status))
+
+
+def _param(message: str, fields: set[str], renames: dict[str, str]) -> str | None:
+    """The request field a ValueError's message starts with ("top_p must be ...",
+    "sampling.stop[0] has ...", "prompt.text has ..."), as the endpoint spells it."""
+    word = message.split(" ", 1)[0].removeprefix("sampling.").split("[")[0].split(".")[0]
+    word = renames.get(word, word)
+    return word if word in fields else None
+
+
+def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError | None:
+    """The router's or engine's refusal of a request as the status OpenAI clients expect
+    (None: not a refusal)."""
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "rate_limit_error")
+    if isinstance(e, NoWorkerError):
+        return APIError(503, str(e), "service_unavailable")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), "invalid_request_error", _param(str(e), fields, renames))
+    return None
+
+
+class TokenText:
+    """A token id as OpenAI's logprobs show it: its text and its bytes."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._bytes = isinstance(tokenizer, ByteTokenizer)  # one byte per id: show that byte
+
+    def text(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+    def bytes(self, token_id: int) -> list[int]:
+        if self._bytes:
+            return [token_id] if token_id < 256 else []
+        return list(self.text(token_id).encode())
+
+
+@dataclass
+class _Choice:
+    """One choice accumulated from its outputs (non-streaming responses and usage)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text_delta
+        self.tokens.extend(out.new_token_ids)
+        self.exit_depths.extend(out.exit_depths)
+        self.logprobs.extend(out.logprobs or ())
+        self.top.extend(out.top_logprobs or ())
+        self.prompt_tokens = max(self.prompt_tokens, out.num_prompt_tokens)
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+
+
+def _usage(choices: list[_Choice], n: int) -> Usage:
+    """Prompt tokens once per prompt (choices are prompt-major, n per prompt)."""
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    completion = sum(len(c.tokens) for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse(body: BaseModel | dict | str) -> str:
+    data = body if isinstance(body, str) else (
+        body.model_dump_json(exclude_none=False) if isinstance(body, BaseModel) else json.dumps(body))
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """The endpoints' logic over one router. Each call's `disconnected` completes when its
+    client goes away: its choices are closed then, and every engine aborts their requests."""
+
+    def __init__(self, router: Router, model_name: str, tokenizer, chat_template: ChatTemplate,
+                 limits: RequestLimits, max_pending: int) -> None:
+        self.router = router
+        self.model_name = model_name
+        self.tokens = TokenText(tokenizer)
+        self.chat_template = chat_template
+        self.limits = limits
+        self.max_pending = max_pending
+        self.in_flight = 0  # API requests whose choices are open (one event loop: no lock)
+
+    # ------------------------------------------------------------------ shared
+    def _jobs(self, base: str, prompts: list[str | list[int]], n: int,
+              params: Callable[[int], SamplingParams], fields: set[str],
+              renames: dict[str, str]) -> list[Job]:
+        try:
+            choice_params = [params(i) for i in range(n)]
+            jobs = [Job(p, sp, f"{base}-{k * n + i}") for k, p in enumerate(prompts)
+                    for i, sp in enumerate(choice_params)]
+            for job in jobs:
+                check_limits(request_to_proto(job.prompt, job.params, job.request_id), self.limits)
+        except ValueError as e:
+            raise refusal(e, fields, renames) from None
+        return jobs
+
+    async def _open(self, jobs: list[Job], disconnected: Callable[[], Awaitable[object]],
+                    fields: set[str], renames: dict[str, str]) -> ChoiceStreams:
+        if self.in_flight >= self.max_pending:
+            raise APIError(429, f"{self.in_flight} requests in flight, the most "
+                           f"server.max_pending_requests ({self.max_pending}) allows; retry later",
+                           "rate_limit_error")
+        self.in_flight += 1
+        choices = ChoiceStreams(self.router, jobs, on_close=self._closed)
+        choices.close_when(disconnected)
+        try:
+            await choices.start()
+        except Exception as e:
+            if (error := refusal(e, fields, renames)) is None:
+                raise
+            raise error from None
+        return choices
+
+    def _closed(self) -> None:
+        self.in_flight -= 1
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                           f"`{self.model_name}`)", "not_found_error", "model")
+
+    async def _collect(self, choices: ChoiceStreams, n: int) -> list[_Choice]:
+        got = [_Choice() for _ in range(n)]
+        async for i, out in choices:
+            got[i].add(out)
+        if failed := next((c for c in got if c.finish_reason == "error"), None):
+            raise APIError(500, failed.error or "engine error", "server_error")
+        return got
+
+    # ------------------------------------------------------------------ completions
+    async def completion(self, req: CompletionRequest, disconnected: Callable[[], Awaitable[object]]
+                         ) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        fields = set(CompletionRequest.model_fields)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        prompts = req.prompts()
+        jobs = self._jobs(base, prompts, req.n, req.params, fields, {})
+        choices = await self._open(jobs, disconnected, fields, {})
+        if req.stream:
+            return self._completion_stream(req, base, choices, len(jobs))
+        got = await self._collect(choices, len(jobs))
+        return CompletionResponse(
+            id=base, model=self.model_name, usage=_usage(got, req.n),
+            choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                      exit_depths=c.exit_depths,
+                                      logprobs=self._completion_logprobs(c, 0) if req.logprobs is not None else None)
+                     for i, c in enumerate(got)])
+
+    def _completion_logprobs(self, c: _Choice | RequestOutput, offset: int) -> CompletionLogprobs:
+        ids = c.tokens if isinstance(c, _Choice) else list(c.new_token_ids)
+        lps = c.logprobs if isinstance(c, _Choice) else list(c.logprobs or ())
+        tops = c.top if isinstance(c, _Choice) else list(c.top_logprobs or ())
+        texts = [self.tokens.text(t) for t in ids]
+        offsets = []
+        for t in texts:
+            offsets.append(offset)
+            offset += len(t)
+        return CompletionLogprobs(
+            tokens=texts, token_logprobs=lps, text_offset=offsets,
+            top_logprobs=[{self.tokens.text(t): lp for t, lp in top} for top in tops] or None)
+
+    async def _completion_stream(self, req: CompletionRequest, base: str, choices: ChoiceStreams,
+                                 n: int) -> AsyncIterator[str]:
+        got = [_Choice() for _ in range(n)]
+        try:
+            async for i, out in choices:
+                offset = len(got[i].text)
+                got[i].add(out)
+                if out.finished and out.finish_reason == "error":
+                    yield sse(APIError(500, out.error or "engine error", "server_error").body())
+                    break
+                if out.new_token_ids or out.text_delta or out.finished:
+                    lp = self._completion_logprobs(out, offset) if req.logprobs is not None else None
+                    yield sse(CompletionResponse(id=base, model=self.model_name, choices=[
+                        CompletionChoice(index=i, text=out.text_delta, logprobs=lp,
+                                         exit_depths=list(out.exit_depths),
+                                         finish_reason=out.finish_reason if out.finished else None)]))
+            else:
+                if req.stream_options and req.stream_options.include_usage:
+                    yield sse(CompletionResponse(id=base, model=self.model_name, choices=[],
+                                                 usage=_usage(got, req.n)))
+            yield sse("[DONE]")
+        finally:
+            choices.close()
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, req: ChatCompletionRequest, disconnected: Callable[[], Awaitable[object]]
+                   ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        fields = set(ChatCompletionRequest.model_fields)
+        renames = {"prompt": "messages", "logprobs": "top_logprobs"}
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = self.chat_template.render(req.messages)
+        jobs = self._jobs(base, [prompt], req.n, req.params, fields, renames)
+        choices = await self._open(jobs, disconnected, fields, renames)
+        if req.stream:
+            return self._chat_stream(req, base, choices)
+        got = await self._collect(choices, req.n)
+        return ChatCompletionResponse(
+            id=base, model=self.model_name, usage=_usage(got, req.n),
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                finish_reason=c.finish_reason, exit_depths=c.exit_depths,
+                                logprobs=self._chat_logprobs(c.tokens, c.logprobs, c.top) if req.logprobs else None)
+                     for i, c in enumerate(got)])
+
+    def _chat_logprobs(self, ids, lps, tops) -> ChatLogprobs:
+        def top(t: int, lp: float) -> TopLogprob:
+            return TopLogprob(token=self.tokens.text(t), logprob=lp, bytes=self.tokens.bytes(t))
+
+        tops = list(tops) or [()] * len(ids)
+        return ChatLogprobs(content=[
+            TokenLogprob(**top(t, lp).model_dump(), top_logprobs=[top(a, b) for a, b in alts])
+            for t, lp, alts in zip(ids, lps, tops)])
+
+    async def _chat_stream(self, req: ChatCompletionRequest, base: str,
+                           choices: ChoiceStreams) -> AsyncIterator[str]:
+        created = int(time.time())
+        got = [_Choice() for _ in range(req.n)]
+
+        def chunk(*cs: ChatChunkChoice, usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=base, created=created, model=self.model_name,
+                                           choices=list(cs), usage=usage))
+        try:
+            for i in range(req.n):
+                yield chunk(ChatChunkChoice(index=i, delta=Delta(role="assistant", content="")))
+            async for i, out in choices:
+                got[i].add(out)
+                if out.finished and out.finish_reason == "error":
+                    yield sse(APIError(500, out.error or "engine error", "server_error").body())
+                    break
+                if out.new_token_ids or out.text_delta:
+                    lp = self._chat_logprobs(out.new_token_ids, out.logprobs or (),
+                                             out.top_logprobs or ()) if req.logprobs else None
+                    yield chunk(ChatChunkChoice(index=i, delta=Delta(content=out.text_delta),
+                                                logprobs=lp, exit_depths=list(out.exit_depths)))
+                if out.finished:
+                    yield chunk(ChatChunkChoice(index=i, delta=Delta(), finish_reason=out.finish_reason))
+            else:
+                if req.stream_options and req.stream_options.include_usage:
+                    yield chunk(usage=_usage(got, req.n))
+            yield sse("[DONE]")
+        finally:
+            choices.close()

@@ -1,0 +1,197 @@
+"""Prometheus metrics: each request as the front sees it, and what every worker reports.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` is `loopserve:time_to_first_token_seconds`)
+so dashboards and alerts written for vLLM carry over; the looped metrics (exit depth, loops)
+and the PD ones (KV transfer, leases, migrations) are loopserve's own. Request metrics are
+observed where every front (gRPC, HTTP) passes: `Router.generate`. Worker metrics are read
+at scrape time from the workers' `stats()`, labelled `worker` and `role`. Each Router owns
+its registry, not prometheus_client's process-global one, so several routers in one process
+(tests, benchmarks) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from loopserve.engine.outputs import RequestOutput
+
+PREFIX = "loopserve:"
+# vLLM's buckets for the same histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+DEPTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
+# Why a request was refused before its first output (Router.generate raises it).
+REFUSALS = ("invalid", "backpressure", "unavailable")
+
+
+class ServingMetrics:
+    """The request-level metrics of one router (its front's view: queueing and transfer included)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.success = Counter(f"{PREFIX}request_success", "Requests that ended, by finish reason "
+                               "(abort: the client closed or aborted it).", ["finished_reason"], registry=r)
+        self.failure = Counter(f"{PREFIX}request_failure", "Requests refused before their first output "
+                               "(invalid, backpressure, unavailable) or ended by an engine error.",
+                               ["reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of requests that "
+                                     "produced output.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens.", registry=r)
+        self.migrations = Counter(f"{PREFIX}request_migrations", "Times a request moved to another "
+                                  "worker after a worker or engine failure.", registry=r)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between two output "
+                             "tokens (a chunk of k tokens counts k times its gap / k).",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}request_time_per_output_token_seconds", "A request's mean "
+                              "time per output token after the first.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, arrival at "
+                             "the router to its last output.", buckets=E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(f"{PREFIX}request_prompt_tokens", "Prompt tokens per "
+                                               "request.", buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(f"{PREFIX}request_generation_tokens", "Generated "
+                                                   "tokens per request.", buckets=TOKEN_BUCKETS, registry=r)
+        self.exit_depth = Histogram(f"{PREFIX}token_exit_depth", "Loops each generated token ran "
+                                    "before it exited (its exit depth).", buckets=DEPTH_BUCKETS, registry=r)
+        self.loops_per_token = Histogram(f"{PREFIX}request_loops_per_token", "A request's mean exit "
+                                         "depth over its generated tokens.", buckets=DEPTH_BUCKETS, registry=r)
+
+    def begin(self) -> RequestRecord:
+        return RequestRecord(self)
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        """The exposition text (blocking: worker collectors call the workers)."""
+        return generate_latest(self.registry)
+
+
+class RequestRecord:
+    """One request's timeline, fed with its outputs in order; counted once when it ends."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.m = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.depths = 0
+        self.prompt_tokens = 0
+        self.ended = False
+
+    def refused(self, reason: str) -> None:
+        """Refused before its first output (one of REFUSALS)."""
+        self.ended = True
+        self.m.failure.labels(reason).inc()
+
+    def output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
+        if n := len(out.new_token_ids):
+            if self.last is None:
+                self.first = now
+                self.m.ttft.observe(now - self.start)
+            else:
+                for _ in range(n):
+                    self.m.itl.observe((now - self.last) / n)
+            self.last = now
+            self.tokens += n
+            self.m.generation_tokens.inc(n)
+            for d in out.exit_depths:
+                self.m.exit_depth.observe(d)
+                self.depths += d
+        if out.finished:
+            self.finish(out.finish_reason or "abort")
+
+    def finish(self, reason: str) -> None:
+        """The request ended: `reason` is its finish reason ('error' counts as a failure)."""
+        if self.ended:
+            return
+        self.ended = True
+        if reason == "error":
+            self.m.failure.labels("error").inc()
+        else:
+            self.m.success.labels(reason).inc()
+        if self.first is None:
+            return
+        self.m.prompt_tokens.inc(self.prompt_tokens)
+        self.m.request_prompt_tokens.observe(self.prompt_tokens)
+        self.m.request_generation_tokens.observe(self.tokens)
+        self.m.e2e.observe(self.last - self.start)
+        if self.tokens > 1:
+            self.m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        if self.depths:
+            self.m.loops_per_token.observe(self.depths / self.tokens)
+
+
+class WorkerCollector(Collector):
+    """Gauges and counters from every worker's stats() at scrape time (`stats` blocks on the
+    workers: render the registry off the event loop)."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        labels = ["worker", "role"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=labels + list(extra))
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+        healthy = gauge("worker_healthy", "1 if the worker answered and its engine has not failed.")
+        running = gauge("num_requests_running", "Requests holding an engine slot.")
+        waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        receiving = gauge("num_requests_receiving", "Decode side: requests whose KV is being read.")
+        transferring = gauge("num_requests_transferring", "Prefill side: requests whose KV awaits "
+                             "its reader.")
+        usage = gauge("kv_cache_usage_perc", "Fraction of a KV pool's blocks in use (0-1).", ("pool",))
+        used = gauge("kv_cache_used_blocks", "KV blocks in use.", ("pool",))
+        loops = counter("loops", "Loops run: rows x loops of RECURRENT batches (prompt tokens too).")
+        preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        reads = counter("kv_transfer_reads", "Decode side: KV READs done (one per handoff).")
+        read_fail = counter("kv_transfer_failures", "Decode side: KV READs that failed or timed out.")
+        read_bytes = counter("kv_transfer_bytes", "Decode side: bytes of KV read.")
+        read_s = counter("kv_transfer_seconds", "Decode side: seconds spent in KV READs.")
+        leases = counter("kv_leases_expired", "Prefill side: handoffs freed because their reader "
+                         "stopped renewing the lease.")
+        for worker, s in sorted(stats.items()):
+            lab = [worker, s.get("role", "")]
+            healthy.add_metric(lab, float("kv" in s and s.get("error") is None))
+            if "kv" not in s:  # it did not answer
+                continue
+            sched, c = s["scheduler"], s["counters"]
+            running.add_metric(lab, sched["num_running"])
+            waiting.add_metric(lab, sched["num_waiting"])
+            receiving.add_metric(lab, sched["num_receiving"])
+            transferring.add_metric(lab, sched["num_transferring"])
+            for pool, u in s["kv"].items():
+                if u["total"]:
+                    usage.add_metric(lab + [pool], u["used"] / u["total"])
+                    used.add_metric(lab + [pool], u["used"])
+            loops.add_metric(lab, c["loops_run"])
+            preemptions.add_metric(lab, c["preemptions"])
+            if r := s.get("kv_reads"):
+                reads.add_metric(lab, r["count"])
+                read_fail.add_metric(lab, r["failed"])
+                read_bytes.add_metric(lab, r["bytes"])
+                read_s.add_metric(lab, r["seconds"])
+            if "leases_expired" in s:
+                leases.add_metric(lab, s["leases_expired"])
+        yield from (healthy, running, waiting, receiving, transferring, usage, used, loops,
+                    preemptions, reads, read_fail, read_bytes, read_s, leases)

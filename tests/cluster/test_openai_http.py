@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP server with the official `openai` client, over a real router and
+worker (the in-process colocated one; one test over the Ray 1P1D workers): completions and
+chat, streaming and not, n > 1, stop strings, logprobs, errors (400 naming the field, 401,
+404, 429), client disconnects (the request is aborted, no KV block left) and /metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loopserve.cluster.cluster import wait_idle
+from loopserve.cluster.router import Router
+from loopserve.cluster.workload import WorkItem
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.entrypoints.openai.chat_template import DefaultChatTemplate
+from loopserve.entrypoints.openai.protocol import ChatMessage
+from tests.cluster.conftest import ENGINE, colocated_reference, http_serving, until
+
+MODEL = ENGINE["model"]
+LOOPS = {"min_loops": 1, "max_loops": 3, "exit_threshold": 0.7}
+
+
+@pytest.fixture(scope="module")
+def server(colocated_router):
+    with http_serving(colocated_router) as s:
+        yield s
+
+
+def _client(server, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return _client(server)
+
+
+def _reference(prompt: str, n: int, seed: int, max_tokens: int, **params) -> list[tuple[str, list[int]]]:
+    """(text, exit depths) of each choice on a colocated engine: choice i samples with seed + i."""
+    items = [WorkItem(f"ref{i}", prompt, SamplingParams(max_tokens=max_tokens, seed=seed + i,
+                                                        ignore_eos=True, **LOOPS, **params))
+             for i in range(n)]
+    ref = colocated_reference(items)
+    return [(bytes(t for t in ref[f"ref{i}"][0] if t < 256).decode("utf-8", "replace"), ref[f"ref{i}"][1])
+            for i in range(n)]
+
+
+def _metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and sorted labels."""
+    text = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_completion_n2_equals_the_engine(client):
+    r = client.completions.create(model=MODEL, prompt="Hello loops", max_tokens=6, n=2, seed=7,
+                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True, **LOOPS})
+    ref = _reference("Hello loops", 2, 7, 6)
+    assert [(c.text, c.exit_depths) for c in r.choices] == ref
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    assert r.usage.prompt_tokens == len(b"Hello loops") and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == len(b"Hello loops") + 12
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt=[[72, 105, 33], [1, 2, 3, 4]], max_tokens=5, n=2, seed=3,
+              temperature=0, extra_body={"ignore_eos": True, **LOOPS})
+    whole = client.completions.create(**kw)
+    texts, depths, finish, usage = [""] * 4, [[] for _ in range(4)], [None] * 4, None
+    for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            depths[c.index] += c.exit_depths
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert [(c.text, c.exit_depths) for c in whole.choices] == list(zip(texts, depths))
+    assert finish == ["length"] * 4 and whole.usage.prompt_tokens == 3 + 4
+    assert usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_stream_and_not(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, seed=11, temperature=0,
+              extra_body={"ignore_eos": True, **LOOPS})
+    whole = client.chat.completions.create(**kw, logprobs=True, top_logprobs=1)
+    prompt = DefaultChatTemplate().render([ChatMessage(**m) for m in messages])
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    [(text, depths)] = _reference(prompt, 1, 11, 6)
+    c = whole.choices[0]
+    assert (c.message.role, c.message.content, c.exit_depths, c.finish_reason) == ("assistant", text, depths, "length")
+    assert len(c.logprobs.content) == 6 and all(len(t.top_logprobs) == 1 for t in c.logprobs.content)
+    assert whole.usage.prompt_tokens == len(prompt.encode()) and whole.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert [x for ch in chunks for x in ch.choices[0].exit_depths] == depths
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_reply(client):
+    [(text, _)] = _reference("stop here", 1, 5, 12)
+    k = next(k for k in range(1, len(text)) if text[k] not in text[:k])
+    r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, seed=5,
+                                  temperature=0, stop=[text[k]], extra_body={"ignore_eos": True, **LOOPS})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (text[:k], "stop")
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"prompt": "x", "top_p": 3.0}, "top_p"),
+    ({"prompt": "x", "extra_body": {"max_loop": 2}}, "max_loop"),
+    ({"prompt": "x", "extra_body": {"min_loops": 0}}, "min_loops"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 600}, "prompt"),  # prompt + max_tokens > max_model_len
+    ({"prompt": "", "max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop"),  # over server.limits.max_stop
+])
+def test_bad_completion_field_is_a_400_naming_it(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_bad_chat_fields_and_unknown_model(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=True, top_logprobs=30)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["param"] == "model"
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert json.loads(urllib.request.urlopen(f"{server.url}/health").read()) == {"status": "ok"}
+
+
+def test_bearer_token_is_required_when_set(colocated_router):
+    with http_serving(colocated_router, auth_token="s3cret") as s:
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(s, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+        for path in ("/metrics", "/health", "/v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(f"{s.url}{path}")
+            assert e.value.code == 401
+        r = _client(s, "s3cret").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+
+
+def test_backpressure_is_a_429(colocated_router, colocated_worker):
+    with http_serving(colocated_router, max_pending_requests=1) as s:
+        c = _client(s)
+        stream = c.completions.create(model=MODEL, prompt="hold", max_tokens=400, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert "max_pending_requests" in e.value.body["message"]
+        stream.close()
+    wait_idle([colocated_worker])
+
+
+def _aborted(worker) -> int:
+    return worker.stats()["counters"]["requests_aborted"]
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(client, server, colocated_worker):
+    before = _aborted(colocated_worker)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go on"}], max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # the role chunk, then the first token
+    stream.close()
+    until(lambda: _aborted(colocated_worker) == before + 1, what="the engine's abort")
+    usage = wait_idle([colocated_worker])
+    assert all(u[p]["used"] == 0 for u in usage.values() for p in ("looped", "flat"))
+    m = _metrics(server)
+    assert m['loopserve:kv_cache_used_blocks{"pool": "looped", "role": "colocated", "worker": "colocated-inproc"}'] == 0
+    assert m['loopserve:request_success_total{"finished_reason": "abort"}'] >= 1
+
+
+def test_client_disconnect_without_streaming_aborts_the_request(server, colocated_worker):
+    before = _aborted(colocated_worker)
+    body = json.dumps({"model": MODEL, "prompt": "wait", "max_tokens": 400, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        until(lambda: colocated_worker.stats()["scheduler"]["num_running"] == 1, what="running")
+    until(lambda: _aborted(colocated_worker) == before + 1, what="the engine's abort")
+    wait_idle([colocated_worker])
+
+
+def test_metrics_agree_with_a_run(client, server):
+    before = _metrics(server)
+    r = client.completions.create(model=MODEL, prompt="count me", max_tokens=4, n=3, seed=1,
+                                  extra_body={"ignore_eos": True, **LOOPS})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=600)
+    after = _metrics(server)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    depths = [d for c in r.choices for d in c.exit_depths]
+    assert delta('loopserve:request_success_total{"finished_reason": "length"}') == 3
+    assert delta('loopserve:request_failure_total{"reason": "invalid"}') == 1
+    assert delta("loopserve:generation_tokens_total{}") == 12
+    assert delta("loopserve:prompt_tokens_total{}") == 3 * len(b"count me")
+    assert delta("loopserve:time_to_first_token_seconds_count{}") == 3
+    assert delta("loopserve:inter_token_latency_seconds_count{}") == 9
+    assert delta("loopserve:e2e_request_latency_seconds_count{}") == 3
+    assert delta("loopserve:token_exit_depth_count{}") == 12
+    assert delta("loopserve:token_exit_depth_sum{}") == sum(depths)
+    assert delta("loopserve:request_loops_per_token_count{}") == 3
+    worker = '{"role": "colocated", "worker": "colocated-inproc"}'
+    assert after[f"loopserve:worker_healthy{worker}"] == 1
+    assert delta(f"loopserve:loops_total{worker}") >= sum(depths)  # prompt tokens loop too
+
+
+def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers):
+    p, d = pd_workers["prefill"][0], pd_workers["decode"][0]
+    router = Router([p], [d], poll_s=0.1).start()
+    try:
+        with http_serving(router) as s:
+            chunks = list(_client(s).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "over PD"}], max_tokens=5,
+                seed=2, temperature=0, stream=True, extra_body={"ignore_eos": True, **LOOPS}))
+            m = _metrics(s)
+    finally:
+        router.close()
+    prompt = DefaultChatTemplate().render([ChatMessage(role="user", content="over PD")])
+    [(text, depths)] = _reference(prompt, 1, 2, 5)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert [x for ch in chunks for x in ch.choices[0].exit_depths] == depths
+    assert m[f'loopserve:kv_transfer_reads_total{{"role": "decode", "worker": "{d.worker_id}"}}'] >= 1
+    assert m[f'loopserve:kv_transfer_bytes_total{{"role": "decode", "worker": "{d.worker_id}"}}'] > 0
