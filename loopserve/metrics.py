@@ -66,7 +66,8 @@ class ServingMetrics:
         self.exit_depth = Histogram(f"{PREFIX}token_exit_depth", "Loops each generated token ran "
                                     "before it exited (its exit depth).", buckets=DEPTH_BUCKETS, registry=r)
         self.loops_per_token = Histogram(f"{PREFIX}request_loops_per_token", "A request's mean exit "
-                                         "depth over its generated tokens.", buckets=DEPTH_BUCKETS, registry=r)
+                                         "depth over its generated tokens.", buckets=DEPTH_BUCKETS,
+                                         registry=r)
 
     def begin(self) -> RequestRecord:
         return RequestRecord(self)

@@ -13,7 +13,8 @@ from tests.cluster.conftest import serving
 def test_reflection_lists_and_describes_the_services(colocated_router):
     with serving(colocated_router) as client:
         db = ProtoReflectionDescriptorDatabase(client.channel)
-        assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(db.get_services())
+        services = set(db.get_services())
+        assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
         service = db.FindFileContainingSymbol(SERVICE).service[0]
         assert [m.name for m in service.method] == ["Generate", "Abort", "Health", "GetStats"]
         assert service.method[0].server_streaming

@@ -8,10 +8,9 @@ the first output ends a stream with an error event, or a non-streaming request w
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -28,7 +27,7 @@ from loopserve.entrypoints.openai.protocol import (
     ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, Delta, ErrorInfo, ErrorResponse, TokenLogprob,
     TopLogprob, Usage)
-from loopserve.model.tokenizer import ByteTokenizer
+from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer
 from loopserve.scheduler import QueueFullError
 
 
@@ -67,7 +66,7 @@ def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError
 class TokenText:
     """A token id as OpenAI's logprobs show it: its text and its bytes."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: ByteTokenizer | HFTokenizer) -> None:
         self._tok = tokenizer
         self._bytes = isinstance(tokenizer, ByteTokenizer)  # one byte per id: show that byte
 
@@ -111,17 +110,17 @@ def _usage(choices: list[_Choice], n: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def sse(body: BaseModel | dict | str) -> str:
-    data = body if isinstance(body, str) else (
-        body.model_dump_json(exclude_none=False) if isinstance(body, BaseModel) else json.dumps(body))
-    return f"data: {data}\n\n"
+def sse(body: BaseModel | str) -> str:
+    """One server-sent event: a JSON body, or the closing `[DONE]`."""
+    return f"data: {body if isinstance(body, str) else body.model_dump_json()}\n\n"
 
 
 class OpenAIServing:
     """The endpoints' logic over one router. Each call's `disconnected` completes when its
     client goes away: its choices are closed then, and every engine aborts their requests."""
 
-    def __init__(self, router: Router, model_name: str, tokenizer, chat_template: ChatTemplate,
+    def __init__(self, router: Router, model_name: str, tokenizer: ByteTokenizer | HFTokenizer,
+                 chat_template: ChatTemplate,
                  limits: RequestLimits, max_pending: int) -> None:
         self.router = router
         self.model_name = model_name
@@ -190,17 +189,18 @@ class OpenAIServing:
         if req.stream:
             return self._completion_stream(req, base, choices, len(jobs))
         got = await self._collect(choices, len(jobs))
+
+        def logprobs(c: _Choice) -> CompletionLogprobs | None:
+            return None if req.logprobs is None else self._completion_logprobs(c.tokens, c.logprobs, c.top, 0)
         return CompletionResponse(
             id=base, model=self.model_name, usage=_usage(got, req.n),
             choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                      exit_depths=c.exit_depths,
-                                      logprobs=self._completion_logprobs(c, 0) if req.logprobs is not None else None)
+                                      exit_depths=c.exit_depths, logprobs=logprobs(c))
                      for i, c in enumerate(got)])
 
-    def _completion_logprobs(self, c: _Choice | RequestOutput, offset: int) -> CompletionLogprobs:
-        ids = c.tokens if isinstance(c, _Choice) else list(c.new_token_ids)
-        lps = c.logprobs if isinstance(c, _Choice) else list(c.logprobs or ())
-        tops = c.top if isinstance(c, _Choice) else list(c.top_logprobs or ())
+    def _completion_logprobs(self, ids: Sequence[int], lps: Sequence[float],
+                             tops: Sequence[Sequence[tuple[int, float]]], offset: int) -> CompletionLogprobs:
+        """`offset`: where these tokens' text starts in the choice's text."""
         texts = [self.tokens.text(t) for t in ids]
         offsets = []
         for t in texts:
@@ -221,7 +221,8 @@ class OpenAIServing:
                     yield sse(APIError(500, out.error or "engine error", "server_error").body())
                     break
                 if out.new_token_ids or out.text_delta or out.finished:
-                    lp = self._completion_logprobs(out, offset) if req.logprobs is not None else None
+                    lp = None if req.logprobs is None else self._completion_logprobs(
+                        out.new_token_ids, out.logprobs or (), out.top_logprobs or (), offset)
                     yield sse(CompletionResponse(id=base, model=self.model_name, choices=[
                         CompletionChoice(index=i, text=out.text_delta, logprobs=lp,
                                          exit_depths=list(out.exit_depths),
@@ -251,10 +252,12 @@ class OpenAIServing:
             id=base, model=self.model_name, usage=_usage(got, req.n),
             choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
                                 finish_reason=c.finish_reason, exit_depths=c.exit_depths,
-                                logprobs=self._chat_logprobs(c.tokens, c.logprobs, c.top) if req.logprobs else None)
+                                logprobs=self._chat_logprobs(c.tokens, c.logprobs, c.top)
+                                if req.logprobs else None)
                      for i, c in enumerate(got)])
 
-    def _chat_logprobs(self, ids, lps, tops) -> ChatLogprobs:
+    def _chat_logprobs(self, ids: Sequence[int], lps: Sequence[float],
+                       tops: Sequence[Sequence[tuple[int, float]]]) -> ChatLogprobs:
         def top(t: int, lp: float) -> TopLogprob:
             return TopLogprob(token=self.tokens.text(t), logprob=lp, bytes=self.tokens.bytes(t))
 
