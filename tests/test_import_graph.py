@@ -98,6 +98,10 @@ def test_cluster_imports_no_worker_package():
     assert _offending("loopserve.cluster", ("loopserve.prefill_worker", "loopserve.decode_worker")) == []
 
 
+def test_cluster_imports_no_front_end():
+    assert _offending("loopserve.cluster", ("loopserve.entrypoints",)) == []
+
+
 def test_model_imports_no_worker_package():
     assert _offending("loopserve.model", ("loopserve.prefill_worker", "loopserve.decode_worker",
                                           "loopserve.worker_host")) == []
