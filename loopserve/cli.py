@@ -1,4 +1,5 @@
-"""The `loopserve` command line: generate (one-shot), serve (gRPC cluster), client."""
+"""The `loopserve` command line: generate (one-shot), serve (gRPC + OpenAI HTTP cluster),
+client, bench serve (a serving benchmark against a running server)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from loopserve.bench.serve import add_args as add_bench_args
 from loopserve.cluster.config import SERVER_FLAGS, add_server_args
 
 
@@ -92,6 +94,12 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from loopserve.bench.serve import bench_serve
+
+    return bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    s = sub.add_parser("serve", help="start a PD (or colocated) cluster behind the gRPC server")
+    s = sub.add_parser("serve", help="start a PD (or colocated) cluster behind the gRPC and "
+                       "OpenAI-compatible HTTP servers")
     s.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
     add_server_args(s)
     s.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
@@ -120,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-key", default=None, help="client private key PEM (with --tls-cert)")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_client)
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bs = b.add_parser("serve", help="a seeded serving benchmark against a running `loopserve serve`")
+    add_bench_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 
