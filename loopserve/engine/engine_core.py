@@ -25,7 +25,7 @@ from loopserve.engine.sampler import draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
-from loopserve.model.tokenizer import load_tokenizer
+from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 from loopserve.scheduler import (
     BatchItem,
     BatchResult,
@@ -54,7 +54,8 @@ class EngineCore:
         self.model = model if model is not None else resolve_model(
             config.model, dtype=dtype, device=self.device, seed=config.seed
         )
-        self.tokenizer = load_tokenizer(config.tokenizer, vocab_size=self.model.vocab_size)
+        self.tokenizer = load_tokenizer(tokenizer_file(config.tokenizer, config.model),
+                                        vocab_size=self.model.vocab_size)
         if getattr(self.model, "last_loop_kv", False) and (config.split_prefill or config.speculative):
             # Within one piece, loop d of a token reads the earlier tokens' loop-d K/V; the
             # reference semantics (transformers) give them the last loop's K/V instead.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from loopserve.model.dory import DoryModel
 from loopserve.model.huginn import HuginnModel
 from loopserve.model.ouro import OuroModel
 
+log = logging.getLogger(__name__)
 MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel,
                                                  DoryConfig: DoryModel}
 # Buffers public checkpoints store that we recompute.
@@ -140,8 +142,11 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
 def resolve_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seed: int = 0) -> LoopedModel:
     """A directory with safetensors loads; a config name (or a directory with only a
-    config.json) is random-initialised from `seed`."""
+    config.json, said loudly: its replies are noise) is random-initialised from `seed`."""
     p = Path(name_or_dir)
     if p.is_dir() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
         return load_model(p, dtype, device)
+    if p.is_dir():
+        log.warning("%s has no weights (no *.safetensors, no model.safetensors.index.json): the "
+                    "model is RANDOMLY INITIALISED from seed %d and its output is noise", p, seed)
     return build_model(load_model_config(name_or_dir), dtype, device, seed)

@@ -236,6 +236,28 @@ def test_metrics_agree_with_a_run(client, server):
     assert delta(f"loopserve:loops_total{worker}") >= sum(depths)  # prompt tokens loop too
 
 
+def test_a_checkpoint_brings_its_tokenizer_and_chat_template(tmp_path):
+    from tests.cluster.inprocess import InProcessHandle
+    from tests.model.test_checkpoint_tokenizer import save_checkpoint
+
+    tok = save_checkpoint(tmp_path, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    engine = {**ENGINE, "model": str(tmp_path)}
+    handle = InProcessHandle("checkpoint", engine)
+    router = Router([handle], poll_s=0.1).start()
+    try:
+        with http_serving(router, engine) as s:
+            r = _client(s).chat.completions.create(
+                model=str(tmp_path), messages=[{"role": "user", "content": "the cat"}], max_tokens=5,
+                logprobs=True, extra_body={"ignore_eos": True})
+    finally:
+        router.close()
+        handle.shutdown()
+    assert r.usage.prompt_tokens == len(tok.encode("the cat ").ids) == 2
+    c = r.choices[0]
+    assert len(c.logprobs.content) == 5  # each token's text is its word ("" for [UNK], [EOS])
+    assert " ".join(t.token for t in c.logprobs.content if t.token) == c.message.content
+
+
 def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers):
     p, d = pd_workers["prefill"][0], pd_workers["decode"][0]
     router = Router([p], [d], poll_s=0.1).start()

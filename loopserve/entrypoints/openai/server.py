@@ -36,7 +36,7 @@ from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    ModelCard, ModelList)
 from loopserve.entrypoints.openai.serving import APIError, OpenAIServing
-from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer
+from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -70,8 +70,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> FastAPI:
-    tokenizer = HFTokenizer(engine.tokenizer) if engine.tokenizer else ByteTokenizer()
-    serving = OpenAIServing(router, engine.model, tokenizer, load_chat_template(engine.tokenizer),
+    path = tokenizer_file(engine.tokenizer, engine.model)  # the engines' own tokenizer
+    tokenizer = HFTokenizer(path) if path else ByteTokenizer()
+    serving = OpenAIServing(router, engine.model, tokenizer, load_chat_template(path),
                             config.limits, config.max_pending_requests)
     token = config.auth_token
     expected = bearer(token.get_secret_value()).encode() if token else None
