@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"loopserve: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():  # one problem per line
+            print(f"loopserve: error: {line}", file=sys.stderr)
         return 2
 
 

@@ -11,18 +11,14 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from loopserve.cluster.limits import RequestLimits
+from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import EngineConfig
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
-
-
-class ConfigError(ValueError):
-    pass
 
 
 class _Strict(BaseModel):
@@ -140,36 +136,20 @@ class ClusterConfig(_Strict):
         try:
             return EngineConfig(**{**self.engine.model_dump(exclude={"role"}), **overrides, "role": role})
         except ValidationError as e:
-            raise ValueError(f"{role}.engine: {describe(e)}") from None
-
-
-def describe(e: ValidationError) -> str:
-    """One line per problem: the dotted field path, what is wrong, and the value given."""
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{loc}: {msg} (got {err.get('input')!r})" if loc else msg)
-    return "; ".join(parts)
+            raise ValueError(describe(e, f"{role}.engine: ")) from None
 
 
 def load_cluster_config(source: str | Path | dict | None = None, **overrides) -> ClusterConfig:
     """A ClusterConfig from a YAML path, a dict or nothing (the embedded default)."""
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        where = f"{path}: "
+        data, where = read_yaml(source), f"{source}: "
     else:
         data, where = dict(source or {}), ""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}the top level must be a mapping, got {type(data).__name__}")
     data.update(overrides)
     try:
         return ClusterConfig(**data)
     except ValidationError as e:
-        raise ConfigError(where + describe(e)) from None
+        raise ConfigError(describe(e, where)) from None
 
 
 SERVER_FLAGS = {"host": "host", "port": "port", "http_port": "http_port", "tls_cert": "tls_cert_file", "tls_key": "tls_key_file",
@@ -186,7 +166,7 @@ def server_overrides(config: ClusterConfig, args: argparse.Namespace) -> Cluster
     try:
         server = ServerConfig.model_validate({**config.server.model_dump(), **overrides})
     except ValidationError as e:
-        raise ConfigError("command line: " + describe(e)) from None
+        raise ConfigError(describe(e, "command line: ")) from None
     return config.model_copy(update={"server": server})
 
 

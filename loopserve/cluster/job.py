@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_job(args)
     except ValueError as e:  # bad config or placement: the message names it
-        print(f"loopserve job: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():  # one problem per line
+            print(f"loopserve job: error: {line}", file=sys.stderr)
         return 2
 
 

@@ -7,6 +7,9 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.outputs import CompletionOutput, RequestOutput
@@ -14,18 +17,21 @@ from loopserve.engine.sampling_params import SamplingParams
 
 
 def make_config(config: EngineConfig | dict | str | Path | None = None, **overrides) -> EngineConfig:
-    """An EngineConfig from an object, a dict, a YAML file path or nothing, plus overrides."""
+    """An EngineConfig from an object, a dict, a YAML file path or nothing, plus overrides;
+    ConfigError names the file and each bad field on a line of its own."""
+    where = ""
     if isinstance(config, EngineConfig):
         data = config.model_dump()
     elif isinstance(config, (str, Path)):
-        import yaml
-
-        data = yaml.safe_load(Path(config).read_text()) or {}
+        data, where = read_yaml(config), f"{config}: "
         data = data.get("engine", data)
     else:
         data = dict(config or {})
     data.update(overrides)
-    return EngineConfig(**data)
+    try:
+        return EngineConfig(**data)
+    except ValidationError as e:
+        raise ConfigError(describe(e, where)) from None
 
 
 class LLM:
