@@ -19,16 +19,16 @@ def _errors(capsys, argv: list[str]) -> list[str]:
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys, command):
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  model: [tiny\n")
-    argv = ["generate", "hi", "--config", str(bad)] if command == "generate" else ["serve", "--config", str(bad)]
-    [line] = _errors(capsys, argv)
+    argv = ["generate", "hi"] if command == "generate" else ["serve"]
+    [line] = _errors(capsys, argv + ["--config", str(bad)])
     assert f"{bad}:3:1: YAML syntax error" in line
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_missing_file_is_one_line(tmp_path, capsys, command):
     missing = str(tmp_path / "missing.yaml")
-    argv = ["generate", "hi", "--config", missing] if command == "generate" else ["serve", "--config", missing]
-    assert _errors(capsys, argv) == [f"loopserve{' job' if command == 'serve' else ''}: error: config file "
+    argv = ["generate", "hi"] if command == "generate" else ["serve"]
+    assert _errors(capsys, argv + ["--config", missing]) == [f"loopserve{' job' if command == 'serve' else ''}: error: config file "
                                      f"{missing!r} does not exist"]
 
 
