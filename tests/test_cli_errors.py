@@ -28,8 +28,8 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys, command):
 def test_missing_file_is_one_line(tmp_path, capsys, command):
     missing = str(tmp_path / "missing.yaml")
     argv = ["generate", "hi"] if command == "generate" else ["serve"]
-    assert _errors(capsys, argv + ["--config", missing]) == [f"loopserve{' job' if command == 'serve' else ''}: error: config file "
-                                     f"{missing!r} does not exist"]
+    [line] = _errors(capsys, argv + ["--config", missing])
+    assert line.endswith(f"error: config file {missing!r} does not exist")
 
 
 def test_generate_field_errors_are_one_line_each(tmp_path, capsys):
