@@ -44,11 +44,12 @@ class ChoiceStreams:
                 if not first.done():
                     first.set_result(None)
                 self._queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - a refusal: start() raises it
+        except Exception as e:  # noqa: BLE001 - a refusal (start() raises it), or a failure
             if not first.done():
                 first.set_exception(e)
-                return
-            raise
+            else:
+                self._queue.put_nowait((i, RequestOutput.ended(job.request_id, "error", str(e))))
+            return
         if not first.done():  # aborted while its submit travelled: no output at all
             first.set_result(None)
             self._queue.put_nowait((i, RequestOutput.ended(job.request_id, "abort")))
