@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server with the official `openai` client, over a real router and
 worker (the in-process colocated one; one test over the Ray 1P1D workers): completions and
 chat, streaming and not, n > 1, stop strings, logprobs, errors (400 naming the field, 401,
-404, 429), client disconnects (the request is aborted, no KV block left) and /metrics."""
+404, 429, 500, 503), client disconnects (the request is aborted, no KV block left) and /metrics."""
 
 from __future__ import annotations
 
@@ -256,6 +256,32 @@ def test_a_checkpoint_brings_its_tokenizer_and_chat_template(tmp_path):
     c = r.choices[0]
     assert len(c.logprobs.content) == 5  # each token's text is its word ("" for [UNK], [EOS])
     assert " ".join(t.token for t in c.logprobs.content if t.token) == c.message.content
+
+
+def test_engine_failure_is_a_500_then_no_healthy_worker_a_503():
+    from tests.cluster.faulty import FAULT, break_engine
+    from tests.cluster.inprocess import InProcessHandle
+
+    handle = InProcessHandle("breakable", ENGINE)
+    router = Router([handle], poll_s=0.1).start()
+    try:
+        with http_serving(router) as s:
+            c = _client(s)
+            break_engine(handle.host)
+            with pytest.raises(openai.InternalServerError) as e:
+                c.completions.create(model=MODEL, prompt="x", max_tokens=4)
+            assert FAULT in e.value.body["message"]
+            until(lambda: not router.health()["breakable"]["ok"], what="the worker marked unhealthy")
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model=MODEL, prompt="x", max_tokens=4)
+            assert e.value.status_code == 503 and "no healthy colocated worker" in e.value.body["message"]
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(f"{s.url}/health")
+            assert e.value.code == 503
+            assert _metrics(s)['loopserve:request_failure_total{"reason": "unavailable"}'] == 1
+    finally:
+        router.close()
+        handle.shutdown()
 
 
 def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers):
