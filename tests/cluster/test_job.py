@@ -53,7 +53,9 @@ def ray_head():
         deadline = time.monotonic() + 120
         while True:
             try:
-                urllib.request.urlopen(f"{url}/api/version", timeout=2)
+                urllib.request.urlopen(urllib.request.Request(  # the dashboard wants the token too
+                    f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"}),
+                    timeout=2)
                 break
             except OSError:
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-2000:]
