@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -111,8 +110,6 @@ def main() -> int:
     p.add_argument("--model", default="tiny-ouro")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     queue = max(2 * args.requests, 4096)  # every stream fits: nothing is refused by design
     cfg = load_cluster_config({

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections import Counter
@@ -143,8 +142,6 @@ def main() -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput counts requests within it")
     p.add_argument("--png", type=Path, default=Path("out/pd_latency_cdf.png"))
     args = p.parse_args()
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     runs = {}
     for mode, name in (("colocated", "colocated"), ("pd", "1P1D")):

@@ -29,8 +29,11 @@ class Cluster:
             self.handles = launch(self.config)
             entry = [h for h in self.handles if h.role in ("prefill", "colocated")]
             decode = [h for h in self.handles if h.role == "decode"]
-            self.router = Router(entry, decode, poll_s=self.config.server.poll_s,
-                                 max_migrations=self.config.server.max_migrations).start()
+            server = self.config.server
+            self.router = Router(entry, decode, poll_s=server.poll_s,
+                                 max_migrations=server.max_migrations,
+                                 deadline_s=server.worker_deadline_s,
+                                 fail_s=server.worker_fail_s).start()
         except BaseException:
             self.stop()
             raise

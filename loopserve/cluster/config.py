@@ -67,6 +67,10 @@ class ServerConfig(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
+    # A call to a worker (or its event poll) unanswered this long: the worker is routed around
+    # and the call goes elsewhere; unanswered for worker_fail_s: failed, its requests migrate.
+    worker_deadline_s: float = Field(5.0, gt=0)
+    worker_fail_s: float = Field(15.0, gt=0)
     # Generate streams in flight; beyond, new ones get RESOURCE_EXHAUSTED at once (the other
     # RPCs still answer, so health checks work under overload).
     max_pending_requests: int = Field(4096, ge=1)
@@ -83,6 +87,9 @@ class ServerConfig(_Strict):
             raise ValueError("server.auth_token must not be empty (leave it unset for no auth)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("server.tls_cert_file and server.tls_key_file go together")
+        if self.worker_fail_s < self.worker_deadline_s:
+            raise ValueError(f"server.worker_fail_s ({self.worker_fail_s}) must be >= "
+                             f"server.worker_deadline_s ({self.worker_deadline_s})")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("server.tls_client_ca_file needs server.tls_cert_file and tls_key_file")
         for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):

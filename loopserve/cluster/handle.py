@@ -2,7 +2,9 @@
 
 Two implementations (Ray actor, plain process) provide `_call`; every method is a blocking
 call that re-raises the worker's own exception (ValueError for bad input, QueueFullError,
-...), so callers never see launcher-specific error types for worker-side failures.
+...), so callers never see launcher-specific error types for worker-side failures. A call
+given a `timeout` raises TimeoutError when the worker has not answered by then (the router
+bounds every call but the event long-poll, which it watches itself).
 """
 
 from __future__ import annotations
@@ -37,20 +39,22 @@ class WorkerHandle(ABC):
     def add_peer(self, info: dict) -> None:
         self._call("add_peer", info)
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> bool:
-        return self._call("submit", request_id, prompt, params)
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               timeout: float | None = None) -> bool:
+        return self._call("submit", request_id, prompt, params, timeout=timeout)
 
-    def submit_handoff(self, message: HandoffMessage) -> bool:
-        return self._call("submit_handoff", message)
+    def submit_handoff(self, message: HandoffMessage, timeout: float | None = None) -> bool:
+        return self._call("submit_handoff", message, timeout=timeout)
 
-    def get_events(self, timeout: float) -> WorkerEvents:
-        return self._call("get_events", timeout, timeout=timeout + 30)
+    def get_events(self, poll_s: float) -> WorkerEvents:
+        """Long poll; unbounded here: a call given up on would lose the events it drains."""
+        return self._call("get_events", poll_s)
 
     def abort(self, request_id: str, timeout: float = 10.0) -> bool:
         return self._call("abort", request_id, timeout=timeout)  # bounded: the worker may hang
 
-    def stats(self) -> dict:
-        return self._call("stats")
+    def stats(self, timeout: float | None = None) -> dict:
+        return self._call("stats", timeout=timeout)
 
     def health(self, timeout: float | None = None) -> dict:
         return self._call("health", timeout=timeout)

@@ -90,7 +90,7 @@ def responses_from_output(out: RequestOutput, client_id: str, now: float) -> lis
     if out.finished:
         if out.error is not None and out.finish_reason == "error":
             msgs.append(pb.GenerateResponse(request_id=client_id,
-                                            error=pb.Error(message=out.error, code="INTERNAL")))
+                                            error=pb.Error(message=out.error, code=out.error_code or "INTERNAL")))
         else:
             ttft = out.first_token_time - out.arrival_time if out.first_token_time else 0.0
             msgs.append(pb.GenerateResponse(request_id=client_id, complete=pb.Complete(

@@ -2,14 +2,43 @@
 
 Actors are threaded (`max_concurrency`) so a pump's long poll does not block submits and
 aborts; the worker's own lock serialises the engine.
+A cluster started here listens on loopback only (Ray reads that at import, so it is set
+before `import ray`) and requires a token (Ray's token authentication): a fresh random one
+per cluster in a 0600 file of a private directory, so no other local process can join it
+and call the workers' actors. A cluster joined through an address brings its own settings.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
+import tempfile
+from pathlib import Path
 from typing import Any
 
-import ray
+log = logging.getLogger(__name__)
+
+
+def require_token() -> Path:
+    """Make the next local `ray.init` start a cluster that requires a new random token;
+    returns the token file (mode 0600, in a 0700 directory; the token is never logged).
+    Ray reads these variables when it is imported: this runs before that."""
+    path = Path(tempfile.mkdtemp(prefix="loopserve-ray-")) / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    return path
+
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+if "RAY_AUTH_MODE" not in os.environ and not os.environ.get("RAY_ADDRESS"):
+    require_token()  # a caller that set RAY_AUTH_MODE (or joins RAY_ADDRESS) brings its own
+
+import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from loopserve.cluster.config import RayConfig
@@ -25,12 +54,13 @@ def ensure_ray(cfg: RayConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    # A cluster started here is this machine's alone: loopback only, no auth token to manage.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        log.warning("starting a Ray cluster without token authentication (RAY_AUTH_MODE=%s): "
+                    "any local process can call its workers", os.environ.get("RAY_AUTH_MODE"))
     ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
              log_to_driver=False)
     return True
+
 
 
 def ray_nodes() -> list[dict[str, float]]:

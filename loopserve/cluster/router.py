@@ -4,6 +4,13 @@ worker, both chosen by load, and streams the request's outputs back to the calle
 One pump thread per worker long-polls `get_events` and dispatches everything new: outputs to
 their streams, handoffs to a decode worker. (Lease renewals and releases go from decode to
 prefill workers directly, as NIXL notifications.)
+A slow or hung worker stalls nothing else: every other call to a worker runs on that
+worker's own threads and has a deadline (`deadline_s`); a watchdog marks a worker whose
+long poll is `deadline_s` late, or whose call missed its deadline, unresponsive (routed
+around at once: its missed submit or handoff goes to another worker), and after `fail_s`
+without an answer fails it (its requests migrate, as for a dead one). A worker answering
+again serves again. Outputs from a worker a request has left are dropped and the request
+aborted there. Health is the router's own view, never a call.
 When a worker dies, or a request ends in an engine-side error (a KV read failed or timed out,
 an engine crashed), the request migrates: it continues on a surviving worker from the tokens
 already streamed (`migration.py`), up to `max_migrations` times, and only then ends with an
@@ -20,6 +27,7 @@ there (`self.metrics`, whose registry also reads the workers' stats at scrape ti
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -65,15 +73,32 @@ class _Stream:
 
 
 class _WorkerState:
-    """The router's view of one worker: its last reported load plus submits not yet counted."""
+    """The router's view of one worker: its last reported load plus submits not yet counted,
+    whether it answers, and the threads that call it (one slow worker holds only its own)."""
 
     def __init__(self, handle: WorkerHandle) -> None:
         self.handle = handle
         self.id = handle.worker_id
         self.load: WorkerLoad | None = None
-        self.healthy = True
+        self.healthy = True  # its engine works (its own report)
+        self.failed = False  # its requests were moved off it; serves again once it polls healthy
+        self.silent_since: float | None = None  # a call or poll missed its deadline
+        self.polling_since: float | None = None  # the pump's long poll in flight
+        self.error: str | None = None
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
+        self.calls = ThreadPoolExecutor(4, f"to-{self.id}")
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.failed and self.silent_since is None
+
+    def why_not(self, now: float) -> str | None:
+        if self.routable:
+            return None
+        if self.silent_since is not None and not self.failed:
+            return f"unresponsive for {now - self.silent_since:.1f} s"
+        return self.error or "unhealthy"
 
     def note_sent(self, blocks: int) -> None:
         self.sent += 1
@@ -109,8 +134,8 @@ class _WorkerState:
 
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
-                 poll_s: float = 0.2, max_migrations: int = 2,
-                 metrics: ServingMetrics | None = None) -> None:
+                 poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 5.0,
+                 fail_s: float = 15.0, metrics: ServingMetrics | None = None) -> None:
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -119,8 +144,12 @@ class Router:
         if not decode and roles != {"colocated"}:
             raise ValueError(f"without decode workers the entry workers must be colocated, "
                              f"got roles {sorted(roles)}")
+        if not 0 < deadline_s <= fail_s:
+            raise ValueError(f"need 0 < deadline_s <= fail_s, got {deadline_s} and {fail_s}")
         self.poll_s = poll_s
         self.max_migrations = max_migrations
+        self.deadline_s = deadline_s
+        self.fail_s = fail_s
         self._entry = [_WorkerState(h) for h in entry]
         self._decode = [_WorkerState(h) for h in decode]
         self._workers = {w.id: w for w in self._entry + self._decode}
@@ -130,8 +159,7 @@ class Router:
         self._uses: OrderedDict[str, int] = OrderedDict()  # client id -> times used
         self._token = uuid.uuid4().hex[:8]  # engine ids of reused client ids: "<id>#<token>-<n>"
         self._closed = False
-        self._pumps: list[threading.Thread] = []
-        self._calls = ThreadPoolExecutor(8, "loopserve-router")
+        self._threads: list[threading.Thread] = []
         self.metrics = metrics or ServingMetrics()
         self.metrics.add_collector(WorkerCollector(self.stats))
 
@@ -139,18 +167,19 @@ class Router:
     def start(self) -> Router:
         """Handshake every decode worker with every prefill worker, then start the pumps."""
         self._handshake(self._decode, self._entry)
-        for w in self._workers.values():
-            t = threading.Thread(target=self._pump, args=(w,), name=f"pump-{w.id}", daemon=True)
+        loops = [(self._pump, (w,), f"pump-{w.id}") for w in self._workers.values()]
+        for target, args, name in [*loops, (self._watch, (), "router-watchdog")]:
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
             t.start()
-            self._pumps.append(t)
+            self._threads.append(t)
         return self
 
     def _handshake(self, decode: Sequence[_WorkerState], prefill: Sequence[_WorkerState]) -> None:
         if not decode:
             return
-        infos = list(self._calls.map(lambda p: p.handle.handshake_info(), prefill))
-        jobs = [(d, info) for d in decode for info in infos]
-        list(self._calls.map(lambda job: job[0].handle.add_peer(job[1]), jobs))
+        infos = [f.result() for f in [p.calls.submit(p.handle.handshake_info) for p in prefill]]
+        for f in [d.calls.submit(d.handle.add_peer, info) for d in decode for info in infos]:
+            f.result()
 
     def close(self) -> None:
         with self._lock:
@@ -158,9 +187,10 @@ class Router:
             streams, self._streams, self._live = list(self._streams.values()), {}, {}
         for st in streams:
             self._push(st, RequestOutput.ended(st.request_id, "abort", "server shutting down"))
-        for t in self._pumps:
-            t.join(timeout=self.poll_s + 35)
-        self._calls.shutdown(wait=True)
+        for t in self._threads:
+            t.join(timeout=self.poll_s + self.deadline_s)
+        for w in self._workers.values():
+            w.calls.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -178,8 +208,10 @@ class Router:
             record.refused(_refusal(e))
             raise
         entry = self._workers[st.entry]
+        submit = functools.partial(entry.handle.submit, st.request_id, prompt, params,
+                                   timeout=self.deadline_s)
         try:
-            accepted = await asyncio.to_thread(entry.handle.submit, st.request_id, prompt, params)
+            accepted = await asyncio.get_running_loop().run_in_executor(entry.calls, submit)
         except asyncio.CancelledError:
             record.finish("abort")
             self._abort_later(st.request_id)
@@ -190,7 +222,8 @@ class Router:
                 entry.unsend()
             self._forget(st)
             raise
-        except Exception as e:  # noqa: BLE001 - the worker died or failed: go elsewhere
+        except Exception as e:  # noqa: BLE001 - the worker died, failed or is too slow: go elsewhere
+            self._missed(entry, e)
             with self._lock:
                 entry.unsend()
             self._migrate(st.request_id, f"submit to {entry.id} failed: {e}", {entry.id})
@@ -222,7 +255,7 @@ class Router:
             if client_id in self._live:
                 raise RequestIdInUseError(f"request_id {client_id!r} is already in use by a live request")
             entry = self._pick_entry()
-            if self._decode and not any(w.healthy for w in self._decode):
+            if self._decode and not any(w.routable for w in self._decode):
                 raise NoWorkerError("no healthy decode worker")
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
@@ -265,17 +298,17 @@ class Router:
     def _abort_later(self, request_id: str) -> None:
         """Abort from a closing stream without waiting (it may be closed from a finalizer)."""
         if not self._closed:
-            self._calls.submit(self._abort_sync, request_id)
+            self._abort_sync(request_id)
 
     async def abort(self, client_id: str) -> bool:
         """Abort a live request on every engine holding it; its stream ends with 'abort'."""
         with self._lock:
             rid = self._live.get(client_id)
-        if rid is None:
-            return False
-        return await asyncio.to_thread(self._abort_sync, rid)
+        return rid is not None and self._abort_sync(rid)
 
-    def _abort_sync(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+    def _abort_sync(self, request_id: str, reason: str = "abort", error: str | None = None,
+                    code: str | None = None) -> bool:
+        """End the stream now; the workers holding it are told on their own threads."""
         with self._lock:
             st = self._streams.pop(request_id, None)
             if st is None:
@@ -283,9 +316,9 @@ class Router:
             if self._live.get(st.client_id) == request_id:
                 del self._live[st.client_id]
             targets = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
-        self._push(st, RequestOutput.ended(st.request_id, reason, error))
+        self._push(st, RequestOutput.ended(st.request_id, reason, error, code))
         for w in targets:
-            self._call_quietly(w, "abort", request_id)
+            self._tell(w, "abort", request_id)
         return True
 
     # ------------------------------------------------------------------ migration
@@ -316,59 +349,90 @@ class Router:
                 self._live[st.client_id] = st.request_id
                 entry.note_sent(0)
         for w in old:  # survivors free the old attempt's blocks now (a dead one just fails)
-            self._calls.submit(self._call_quietly, w, "abort", request_id)
+            self._tell(w, "abort", request_id)
         if entry is None:
-            self._push(st, RequestOutput.ended(st.request_id, "error", f"{error} ({why})"))
+            self._push(st, RequestOutput.ended(st.request_id, "error", f"{error} ({why})",
+                                               "UNAVAILABLE"))
             return
         log.warning("%s: %s; continuing on %s as %s after %d token(s)", st.client_id, error,
                     entry.id, st.request_id, len(st.history.tokens))
         self.metrics.migrations.inc()
-        self._calls.submit(self._resubmit, st, st.request_id, entry, prompt, params, error)
+        entry.calls.submit(self._resubmit, st.request_id, entry, prompt, params, error)
 
-    def _resubmit(self, st: _Stream, request_id: str, entry: _WorkerState, prompt, params,
-                  error: str) -> None:
-        try:
-            entry.handle.submit(request_id, prompt, params)  # False: aborted meanwhile
-        except Exception as e:  # noqa: BLE001 - dead too, or full: try the next one
+    def _resubmit(self, request_id: str, entry: _WorkerState, prompt, params, error: str) -> None:
+        try:  # False: aborted meanwhile
+            entry.handle.submit(request_id, prompt, params, timeout=self.deadline_s)
+        except Exception as e:  # noqa: BLE001 - dead too, slow, or full: try the next one
+            self._missed(entry, e)
             with self._lock:
                 entry.unsend()
             self._migrate(request_id, f"{error}; then {entry.id} refused it: {e}", {entry.id})
 
     # ------------------------------------------------------------------ pumps
     def _pump(self, w: _WorkerState) -> None:
-        failed = False  # its requests were moved off it; it serves again once it polls healthy
         while not self._closed:
+            w.polling_since = time.monotonic()
             try:
                 ev = w.handle.get_events(self.poll_s)
             except Exception as e:  # noqa: BLE001 - the worker died or is restarting
+                w.polling_since = None
                 if self._closed:
                     return
-                if not failed:
+                if not w.failed:
                     log.error("worker %s failed: %s", w.id, e)
                     self._fail_worker(w, f"worker {w.id} failed: {e}")
-                failed = True
                 time.sleep(1.0)
                 continue
-            if failed and ev.load.healthy:  # it came back (a restarted actor): new KV agent, handshake again
+            w.polling_since = None
+            if w.failed and ev.load.healthy:  # it came back (a restarted actor): new KV agent, handshake again
                 self._rejoin(w)
-                failed = False
             with self._lock:
                 w.on_load(ev.load)
+                w.silent_since = None
             for out in ev.outputs:
                 self._deliver(w, out)
             for msg in ev.handoffs:
                 self._route_handoff(w, msg)
-            if not (failed or ev.load.healthy):  # its engine failed: a dead worker to replace
+            if not (w.failed or ev.load.healthy):  # its engine failed: a dead worker to replace
                 log.error("worker %s failed: %s", w.id, ev.load.error)
                 self._fail_worker(w, f"worker {w.id} failed: {ev.load.error}")
-                self._call_quietly(w, "restart")
-                failed = True
+                self._tell(w, "restart")
+
+    def _watch(self) -> None:
+        """Mark workers whose long poll is late unresponsive, and fail those silent too long."""
+        period = min(self.poll_s, self.deadline_s) / 2
+        while not self._closed:
+            time.sleep(period)
+            now = time.monotonic()
+            for w in self._workers.values():
+                since = w.polling_since
+                if since is not None and now - since > self.poll_s + self.deadline_s:
+                    self._missed(w, TimeoutError(f"no event poll answer for {now - since:.1f} s"))
+                silent = w.silent_since
+                if silent is not None and not w.failed and now - silent > self.fail_s:
+                    error = f"worker {w.id} did not answer for {now - silent:.1f} s"
+                    log.error("%s; failing it", error)
+                    self._fail_worker(w, error)
+                    self._tell(w, "restart")
+
+    def _missed(self, w: _WorkerState, e: Exception) -> None:
+        """A call to `w` missed its deadline: route around it until it answers a poll again."""
+        if not isinstance(e, TimeoutError):
+            return
+        with self._lock:
+            if w.silent_since is None:
+                log.warning("worker %s unresponsive (%s): routing around it", w.id, e)
+                w.silent_since = time.monotonic()
 
     def _deliver(self, w: _WorkerState, out: RequestOutput) -> None:
         with self._lock:
             st = self._streams.get(out.request_id)
-            if st is None:
-                return
+            stale = st is None or w.id not in (st.entry, st.decode)
+        if stale:  # ended, or moved off `w` (which answers late): `w` must let it go
+            if not out.finished:
+                self._tell(w, "abort", out.request_id)
+            return
+        with self._lock:
             failed = out.finished and out.finish_reason == "error"
             if not failed:
                 st.decoding |= w.handle.role == "decode"
@@ -390,14 +454,22 @@ class Router:
             if target is not None:
                 st.decode = target.id
         if st is None:  # aborted meanwhile: let the prefill side free the blocks now
-            self._call_quietly(prefill, "abort", rid)
+            self._tell(prefill, "abort", rid)
             return
         if target is None:
-            self._abort_sync(rid, "error", "no healthy decode worker")
+            self._abort_sync(rid, "error", "no healthy decode worker", "UNAVAILABLE")
             return
+        target.calls.submit(self._hand_off, prefill, target, msg)
+
+    def _hand_off(self, prefill: _WorkerState, target: _WorkerState, msg: HandoffMessage) -> None:
+        """On the decode worker's own threads: a slow one never holds up the prefill's pump.
+        A handoff that misses the deadline starts again elsewhere as a new attempt (the same
+        handoff sent to a second reader could be released under it by the first, waking late)."""
+        rid = msg.request_id
         try:
-            accepted = target.handle.submit_handoff(msg)
-        except Exception as e:  # noqa: BLE001 - the decode worker died or refused: try another
+            accepted = target.handle.submit_handoff(msg, timeout=self.deadline_s)
+        except Exception as e:  # noqa: BLE001 - the decode worker died, refused or hangs
+            self._missed(target, e)
             with self._lock:
                 target.unsend()
             self._migrate(rid, f"handoff to {target.id} failed: {e}", {target.id})
@@ -405,13 +477,13 @@ class Router:
         if not accepted:
             with self._lock:
                 target.unsend()
-            self._call_quietly(prefill, "abort", rid)
+            self._tell(prefill, "abort", rid)
 
     def _fail_worker(self, w: _WorkerState, error: str) -> None:
         """Migrate every request the worker held (a prefill worker no longer holds those
         whose decode side has started streaming)."""
         with self._lock:
-            w.healthy = False
+            w.failed, w.error = True, error
             hit = [st.request_id for st in self._streams.values()
                    if st.decode == w.id or (st.entry == w.id and not st.decoding)]
         for rid in hit:
@@ -420,6 +492,7 @@ class Router:
     def _rejoin(self, w: _WorkerState) -> None:
         with self._lock:
             w.reset()
+            w.failed, w.error = False, None
         try:
             if w.handle.role == "prefill":
                 self._handshake(self._decode, [w])
@@ -428,12 +501,17 @@ class Router:
         except Exception as e:  # noqa: BLE001 - stays unhealthy until the next successful poll
             log.error("worker %s could not rejoin: %s", w.id, e)
 
-    @staticmethod
-    def _call_quietly(w: _WorkerState, method: str, *args) -> None:
+    def _tell(self, w: _WorkerState, method: str, *args) -> None:
+        """Best effort, on the worker's own threads (a dead one fails, a hung one waits)."""
+        def call() -> None:
+            try:
+                getattr(w.handle, method)(*args)
+            except Exception as e:  # noqa: BLE001 - best effort; the worker's leases cover it
+                log.warning("%s on %s failed: %s", method, w.id, e)
         try:
-            getattr(w.handle, method)(*args)
-        except Exception as e:  # noqa: BLE001 - best effort; the worker's leases cover it
-            log.warning("%s on %s failed: %s", method, w.id, e)
+            w.calls.submit(call)
+        except RuntimeError:  # the router is closed
+            pass
 
     @staticmethod
     def _push(st: _Stream, out: RequestOutput) -> None:
@@ -444,15 +522,28 @@ class Router:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, dict]:
-        """Every worker's stats (blocking; call from a thread)."""
-        ws = list(self._workers.values())
-        results = self._calls.map(lambda w: _safe(w.handle.stats), ws)
-        return {w.id: {"role": w.handle.role, **s} for w, s in zip(ws, results)}
+        """Every worker's stats, each bounded by the deadline (blocking; call from a thread)."""
+        futures = {w.id: w.calls.submit(_safe, w.handle.stats, timeout=self.deadline_s)
+                   for w in self._workers.values()}
+        return {w.id: {"role": w.handle.role, **futures[w.id].result()} for w in self._workers.values()}
 
     def health(self) -> dict[str, dict]:
-        ws = list(self._workers.values())
-        results = self._calls.map(lambda w: _safe(w.handle.health, timeout=10), ws)
-        return {w.id: {**h, "ok": bool(h.get("ok")) and w.healthy} for w, h in zip(ws, results)}
+        """Each worker as the router sees it (no call: answers whatever the workers do)."""
+        now = time.monotonic()
+        with self._lock:
+            return {w.id: {"ok": w.routable, "role": w.handle.role, "error": w.why_not(now)}
+                    for w in self._workers.values()}
+
+    def serving(self) -> tuple[bool, str]:
+        """(can serve, "SERVING" | "DEGRADED: ..." | "UNAVAILABLE: ..."): every role a request
+        needs has a healthy worker; degraded when some worker is not."""
+        health = self.health()
+        bad = ", ".join(f"{w} ({h['error']})" for w, h in sorted(health.items()) if not h["ok"])
+        missing = [ws[0].handle.role for ws in (self._entry, self._decode)
+                   if ws and not any(health[w.id]["ok"] for w in ws)]
+        if missing:
+            return False, f"UNAVAILABLE: no healthy {' or '.join(missing)} worker; {bad}"
+        return True, f"DEGRADED: {bad}" if bad else "SERVING"
 
     def num_live(self) -> int:
         """Streams still open (0 once every request finished, failed or was aborted)."""
@@ -468,8 +559,8 @@ def _refusal(e: Exception) -> str:
 
 
 def _preferred(workers: list[_WorkerState], avoid: set[str]) -> list[_WorkerState]:
-    """Healthy workers, without those in `avoid` unless that leaves none."""
-    healthy = [w for w in workers if w.healthy]
+    """Routable workers, without those in `avoid` unless that leaves none."""
+    healthy = [w for w in workers if w.routable]
     return [w for w in healthy if w.id not in avoid] or healthy
 
 

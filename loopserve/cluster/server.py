@@ -7,7 +7,10 @@ stream is closed with it). LoopServe's methods take raw request bytes and parse 
 so a malformed message is INVALID_ARGUMENT naming the problem (grpc's own deserializer
 answers INTERNAL). Bad input gets INVALID_ARGUMENT naming the field and its limit, a live
 request's id ALREADY_EXISTS, a full server (max_pending_requests streams) or engine queue
-RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE.
+RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE (up front, or in-band once streaming).
+Health answers from the router's own view at once: SERVING, DEGRADED (some worker is down
+or unresponsive, every role still served) or UNAVAILABLE; grpc.health.v1 says SERVING for
+the first two.
 """
 
 from __future__ import annotations
@@ -83,11 +86,8 @@ class LoopServeServicer:
         return pb.AbortResponse(aborted=await self.router.abort(request.request_id))
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
-        health = await asyncio.to_thread(self.router.health)
-        bad = sorted(w for w, h in health.items() if not h["ok"])
-        status = "SERVING" if not bad else "unhealthy: " + ", ".join(
-            f"{w} ({health[w].get('error')})" for w in bad)
-        return pb.HealthResponse(healthy=not bad, status=status)
+        ok, status = self.router.serving()  # the router's own view: answers at once
+        return pb.HealthResponse(healthy=ok, status=status)
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = await asyncio.to_thread(self.router.stats)
@@ -189,8 +189,7 @@ class Server:
         return self
 
     async def _update_health(self) -> None:
-        health = await asyncio.to_thread(self.router.health)
-        ok = all(h["ok"] for h in health.values())
+        ok, _ = self.router.serving()
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
             await self.health.set(name, status)

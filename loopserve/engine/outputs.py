@@ -16,6 +16,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_code: str | None = None  # a gRPC status code name for `error`; None: INTERNAL
     arrival_time: float = 0.0
     first_token_time: float | None = None
     token_times: tuple[float, ...] = ()
@@ -24,10 +25,12 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...] | None = None  # on a request's first output only
 
     @classmethod
-    def ended(cls, request_id: str, reason: str, error: str | None = None) -> RequestOutput:
+    def ended(cls, request_id: str, reason: str, error: str | None = None,
+              code: str | None = None) -> RequestOutput:
         """The last output of a request that ends outside a step (aborted, failed, lost its
-        worker): no news, just the end and why."""
-        return cls(request_id, (), "", (), finished=True, finish_reason=reason, error=error)
+        worker): no news, just the end and why (`code`: UNAVAILABLE when no worker is left)."""
+        return cls(request_id, (), "", (), finished=True, finish_reason=reason, error=error,
+                   error_code=code)
 
 
 @dataclass

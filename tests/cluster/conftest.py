@@ -18,9 +18,12 @@ from dataclasses import replace
 
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+# Before any test module imports ray (it reads its settings at import): as for a cluster the
+# product starts, loopback only and a fresh token.
+with contextlib.suppress(ImportError):  # without ray, its tests skip themselves
+    from loopserve.cluster import ray_launcher  # noqa: F401
 
 from loopserve.cluster.cluster import wait_idle  # noqa: E402
 from loopserve.cluster.config import load_cluster_config  # noqa: E402

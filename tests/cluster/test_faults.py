@@ -12,6 +12,7 @@ migrate, and it is restarted (Ray) or stopped for good (a worker that cannot be 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from dataclasses import replace
@@ -128,7 +129,11 @@ def test_no_surviving_decode_worker_ends_the_stream_with_a_clear_error(fault_wor
 
     outs = asyncio.run(run())
     assert outs[-1].finished and outs[-1].finish_reason == "error"
-    assert "no healthy decode worker" in outs[-1].error
+    assert "no healthy decode worker" in outs[-1].error and outs[-1].error_code == "UNAVAILABLE"
+    if not router.health()[d.worker_id]["ok"]:  # not restarted yet: refused up front
+        with pytest.raises(NoWorkerError, match="no healthy decode worker"):
+            asyncio.run(_collect(router.generate([1, 2], params)))
+        assert router.serving()[0] is False
     _restarted(router, d)
 
 
@@ -227,3 +232,57 @@ def test_a_ray_worker_whose_engine_step_raises_is_restarted_and_used_again(ray_c
         if router is not None:
             router.close()
         stop_all(handles)
+
+
+@contextlib.contextmanager
+def _stopped(handle):
+    """The worker's process frozen (SIGSTOP) for the block: alive, answering nothing."""
+    pid = handle.health()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_stopped_worker_is_routed_around_and_stalls_nothing(pd_workers, make_router, role):
+    """2P2D, one worker frozen: calls to it miss their deadline, it is routed around (its
+    submits and handoffs go to the other worker of its role), every request completes
+    while it is still frozen (it is failed only after fail_s, far later), Health answers from
+    the router's view saying DEGRADED, and stats report it without waiting on it. Once it
+    resumes it serves again, and whatever reached it late is let go (0 blocks)."""
+    router = make_router(pd_workers["prefill"], pd_workers["decode"], deadline_s=1.0, fail_s=600)
+    victim = pd_workers[role][0]
+    items = greedy_items(10, seed=41 if role == "prefill" else 42, max_tokens=6)
+    with _stopped(victim):
+        results = asyncio.run(run_workload(router, items))  # while frozen
+        until(lambda: not router.health()[victim.worker_id]["ok"], 10, "victim marked unresponsive")
+        ok, status = router.serving()
+        assert ok and status.startswith("DEGRADED") and victim.worker_id in status, status
+        stats = router.stats()
+        assert "did not answer" in stats[victim.worker_id]["error"], stats[victim.worker_id]
+        assert all("kv" in s for w, s in stats.items() if w != victim.worker_id)
+    _check(items, results)
+    until(lambda: router.health()[victim.worker_id]["ok"], 30, "resumed worker routable")
+    again = greedy_items(6, seed=43, max_tokens=3)
+    _check(again, asyncio.run(run_workload(router, again)))
+
+
+def test_a_worker_silent_past_fail_s_is_failed_and_its_requests_migrate(fault_workers, make_router):
+    """The prefill worker holding a request freezes: after fail_s the router fails it, the
+    request continues on the other prefill worker (same tokens), and the frozen actor is
+    killed for Ray to restart, after which the router uses it again."""
+    router = make_router(fault_workers["prefill"], fault_workers["decode"], deadline_s=0.5, fail_s=2.0)
+    items = greedy_items(3, seed=44, max_tokens=6)
+
+    async def run():
+        task = asyncio.create_task(run_workload(router, items))
+        victim = await asyncio.to_thread(_holder, fault_workers["prefill"], items[0].request_id, "ACTIVE")
+        os.kill(victim.health(timeout=5)["pid"], signal.SIGSTOP)  # SIGKILL (the restart) ends it
+        return victim, await task
+
+    victim, results = asyncio.run(run())
+    _check(items, results)
+    assert "did not answer" in (router.health()[victim.worker_id]["error"] or "")
+    _restarted(router, victim)

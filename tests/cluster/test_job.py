@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -34,9 +35,13 @@ def _free_ports(n: int) -> list[int]:
 def ray_head():
     gcs, dash, agent = _free_ports(3)
     temp = tempfile.mkdtemp(prefix="lsj", dir="/tmp")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    token = Path(tempfile.mkdtemp(prefix="lsjt", dir="/tmp")) / "token"
+    token.write_text(secrets.token_hex(16))
+    token.chmod(0o600)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
@@ -48,7 +53,9 @@ def ray_head():
         deadline = time.monotonic() + 120
         while True:
             try:
-                urllib.request.urlopen(f"{url}/api/version", timeout=2)
+                urllib.request.urlopen(urllib.request.Request(  # the dashboard wants the token too
+                    f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"}),
+                    timeout=2)
                 break
             except OSError:
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-2000:]

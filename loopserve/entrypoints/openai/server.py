@@ -116,12 +116,10 @@ def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
-        workers = await asyncio.to_thread(router.health)
-        bad = sorted(w for w, h in workers.items() if not h["ok"])
-        if bad:
-            raise APIError(503, "unhealthy: " + ", ".join(f"{w} ({workers[w].get('error')})" for w in bad),
-                           "service_unavailable")
-        return JSONResponse({"status": "ok"})
+        ok, status = router.serving()  # the router's own view: answers at once
+        if not ok:
+            raise APIError(503, status, "service_unavailable")
+        return JSONResponse({"status": "ok" if status == "SERVING" else status})
 
     @app.get("/metrics")
     async def metrics() -> Response:
