@@ -24,6 +24,7 @@ import torch
 from gemv_gpu import graph_time  # benchmarks/ is the script's directory
 
 from loopserve.engine.host_batch import host_batch
+from loopserve.intmath import cdiv
 from loopserve.model.batch import LoopState
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
@@ -87,7 +88,7 @@ def main() -> None:
     cfg, bs = model.config, 16
     layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
     bound = layer_bytes / (copy_gbps() * 1e9)
-    per_req = -(-(args.context + 1) // bs)
+    per_req = cdiv(args.context + 1, bs)
     for batch in (int(b) for b in args.batches.split(",")):
         kv = PagedKVCache(model.kv_spec, bs, batch * per_req + 1, 0, torch.bfloat16, torch.device("cuda"))
         kv.looped.normal_(0, 0.5)

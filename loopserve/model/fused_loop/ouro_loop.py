@@ -17,6 +17,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_backend import _INTERPRET as INTERPRET
 from loopserve.model.attention.triton_backend import _MAX_SPLITS, _num_sms, _pow2_floor
 from loopserve.model.batch import LoopState, ModelBatch
@@ -33,7 +34,7 @@ def row_tile(n: int, programs: int, mode: int = 0, min_tile: int = 1) -> int:
     """The GEMV tile height of at least `min_tile` rows (taller tiles: more bytes per K chunk)
     that leaves the busiest program the fewest rows (ties: taller)."""
     tiles = [bn for bn in _ROW_TILES[mode] if bn >= min_tile]
-    return min(tiles, key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
+    return min(tiles, key=lambda bn: cdiv(cdiv(n, bn), programs) * bn)
 
 
 def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int, min_len: int) -> int:
@@ -292,7 +293,7 @@ def resident_per_sm(kernel, num_warps: int, dev: torch.device) -> int:
     warp in units of 256)."""
     kernel._init_handles()
     props = torch.cuda.get_device_properties(dev)
-    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    regs_per_warp = cdiv(kernel.n_regs * 32, 256) * 256
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(regs_per_warp * num_warps, 1)
     by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // max(kernel.metadata.shared, 1)
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
