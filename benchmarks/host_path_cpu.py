@@ -1,7 +1,7 @@
 """Host time of turning a scheduled batch into device input (CPU, pure host work).
 
 On the H200 an 8k-token prefill is host-bound: the GPU has nothing to run while the host
-builds the PRELUDE and the first RECURRENT batch (`benchmarks/prefill_steps_gpu.py`). This
+builds the PRELUDE and the first RECURRENT batch (`benchmarks/experiments/prefill_steps_gpu.py`). This
 times those host pieces alone — `ModelRunner._batch` (its rows' state slab rows included) +
 the packed copy (`HostBatch.to`, here to CPU), and assigning a fresh request's slab rows —
 for an 8192-row prefill chunk and a 256-request decode batch, per row, against the cost of
