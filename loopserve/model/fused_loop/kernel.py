@@ -95,8 +95,8 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
     """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
     grid-strided. fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile; the
     next K chunk of W and of x are loaded before the current ones are used, so two chunks of
-    W are in flight per program. (Tensor-core, TMA-ring, deeper and L2-prefetch variants
-    measured slower on the H200: docs/benchmarks.md; git keeps them.)"""
+    W are in flight per program. (The variants tried beside it, and which measured slower:
+    docs/design.md, "GEMVs".)"""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
         n = t * BN + tl.arange(0, BN)
