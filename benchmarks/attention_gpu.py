@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from loopserve.intmath import cdiv
 from loopserve.model.attention.base import write_kv
 from loopserve.model.attention.torch_ref import TorchAttention
 from loopserve.model.attention.triton_backend import TritonAttention
@@ -56,7 +57,7 @@ def copy_bandwidth() -> float:
 
 def decode_case(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, block_size: int,
                 dtype: torch.dtype, gen: torch.Generator):
-    nblk = -(-ctx // block_size)
+    nblk = cdiv(ctx, block_size)
     perm = torch.randperm(batch * nblk, generator=gen).tolist()
     tables = [perm[i * nblk:(i + 1) * nblk] for i in range(batch)]
     meta = build_attn_metadata(list(range(batch)), [ctx - 1] * batch, tables, block_size,

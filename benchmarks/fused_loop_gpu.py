@@ -7,7 +7,7 @@ gpu_h200.py does: a copy replayed from a graph runs as a memcpy node at ~2/3 of 
 ratios, and the largest output difference.
 
 Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
-       [--configs 256x4x1,128x4x1x0x1x4,512x8x1x0x0] [--phase-times]
+       [--configs 512x8,512x16,256x16] [--phase-times]
 
 --phase-times: after timing each grid-barrier variant, one more loop with the kernel's
 %globaltimer stamps on, printed per phase kind (kernel.py's _stamp): the phase's wall time
@@ -21,9 +21,9 @@ import argparse
 import sys
 
 import torch
-from gemv_gpu import graph_time  # benchmarks/ is the script's directory
 
 from loopserve.engine.host_batch import host_batch
+from loopserve.intmath import cdiv
 from loopserve.model.batch import LoopState
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER
 from loopserve.model.fused_loop.ouro_loop import OuroFusedLoop
@@ -31,6 +31,25 @@ from loopserve.model.layers import fuse_elementwise
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.model.registry import resolve_model
 from loopserve.scheduler.types import Operation
+
+
+def graph_time(fn, calls: int = 50, replays: int = 5) -> float:
+    """Seconds per call, from CUDA-graph replays of `calls` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / (replays * calls)
 
 
 def copy_gbps() -> float:
@@ -74,10 +93,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--model", default="ouro-1.4b-shape")
-    ap.add_argument("--configs", default="512x8x1",
-                    help="fused kernel variants: BLOCK_K x num_warps x programs per SM [x L2 prefetch KiB "
-                         "[x GEMV mode 0-3 [x num_stages [x W chunks ahead, mode 0: 1 or 2 [x prefetch own "
-                         "tiles 0/1 [x min GEMV row tile]]]]]]; the first also runs per-phase launches")
+    ap.add_argument("--configs", default="512x8",
+                    help="fused kernel variants: BLOCK_K x num_warps; the first also runs per-phase launches")
     ap.add_argument("--phase-times", action="store_true")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
@@ -87,7 +104,7 @@ def main() -> None:
     cfg, bs = model.config, 16
     layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
     bound = layer_bytes / (copy_gbps() * 1e9)
-    per_req = -(-(args.context + 1) // bs)
+    per_req = cdiv(args.context + 1, bs)
     for batch in (int(b) for b in args.batches.split(",")):
         kv = PagedKVCache(model.kv_spec, bs, batch * per_req + 1, 0, torch.bfloat16, torch.device("cuda"))
         kv.looped.normal_(0, 0.5)
@@ -99,10 +116,8 @@ def main() -> None:
         results = {}
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
-            vals = [int(v) for v in c.split("x")]
-            bk, nw, pps, pf, mode, stages, ahead, own, tile = vals + [0, 0, 3, 1, 0, 1][len(vals) - 3:]
-            kw = dict(block_k=bk, num_warps=nw, programs_per_sm=pps, prefetch_kib=pf, gemv_mode=mode,
-                      num_stages=stages, w_ahead=ahead, prefetch_own=bool(own), min_row_tile=tile)
+            bk, nw = (int(v) for v in c.split("x"))
+            kw = dict(block_k=bk, num_warps=nw)
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
             variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))

@@ -1,7 +1,7 @@
 """Host time of turning a scheduled batch into device input (CPU, pure host work).
 
 On the H200 an 8k-token prefill is host-bound: the GPU has nothing to run while the host
-builds the PRELUDE and the first RECURRENT batch (`benchmarks/prefill_steps_gpu.py`). This
+builds the PRELUDE and the first RECURRENT batch (`benchmarks/experiments/prefill_steps_gpu.py`). This
 times those host pieces alone — `ModelRunner._batch` (its rows' state slab rows included) +
 the packed copy (`HostBatch.to`, here to CPU), and assigning a fresh request's slab rows —
 for an 8192-row prefill chunk and a 256-request decode batch, per row, against the cost of
@@ -22,6 +22,7 @@ import torch
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.engine.request import Request
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable, KVLayout
 from loopserve.model.registry import resolve_model
 from loopserve.scheduler import BatchItem, Operation, ScheduledBatch, WorkKey
@@ -39,13 +40,13 @@ def main() -> None:
     args = ap.parse_args()
     model = resolve_model("tiny-ouro", dtype=torch.float32, device="cpu", seed=0)
     bs, n, planes = 16, args.rows, model.max_loops
-    nblk = -(-n // bs) + 1
+    nblk = cdiv(n, bs) + 1
     runner = ModelRunner(model, KVLayout(bs, planes * nblk * (args.decode + 1)), torch.float32, torch.device("cpu"))
     reqs, tables, free = {}, {}, iter(range(10 ** 9))
     for i in range(args.decode + 1):
         length = n if i == 0 else 300
         reqs[f"r{i}"] = Request(f"r{i}", list(range(length)), SamplingParams(), i, None)
-        w = -(-(length + 1) // bs)
+        w = cdiv(length + 1, bs)
         tables[f"r{i}"] = BlockTable([], [[next(free) for _ in range(w)] for _ in range(planes)])
     prompt = tuple(range(n))
     cases = {

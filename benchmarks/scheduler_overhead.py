@@ -16,6 +16,7 @@ import gc
 import sys
 import time
 
+from loopserve.intmath import cdiv
 from loopserve.kv_cache import KVCacheManager, KVLayout
 from loopserve.scheduler import (
     BatchResult,
@@ -44,7 +45,7 @@ def fake_result(batch: ScheduledBatch) -> BatchResult:
 
 
 def measure(n: int, steps: int, policy: str) -> float:
-    blocks = -(-(8 + MAX_TOKENS) // 16)
+    blocks = cdiv(8 + MAX_TOKENS, 16)
     kv = KVCacheManager(KVLayout(16, n * MAX_LOOPS * blocks, n * blocks, True), incremental=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=8 * n, policy=policy,
                                       max_waiting=n), kv)

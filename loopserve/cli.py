@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate for prompts on a colocated engine and exit")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--config", default=None, help="engine YAML (default: built-in tiny CPU model)")
-    g.add_argument("--model", default=None, help="a model name in configs/models or an HF-format directory")
+    g.add_argument("--model", default=None, help="a model name in loopserve/model/configs or an HF-format directory")
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     _add_sampling_args(g)

@@ -26,6 +26,7 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
+from loopserve.intmath import cdiv
 
 SLAB_ROWS = inspect.signature(StateStore.__init__).parameters["capacity"].default
 DEFAULTS = EngineConfig()
@@ -52,7 +53,7 @@ def check_lengths_exceed_capacities() -> None:
     assert LONG_PROMPTS[2] > DEFAULTS.max_num_batched_tokens
     assert LONG_PROMPTS[2] > 16 * MIN_CONTEXT_BUCKET  # several context buckets up
     max_loops = 4  # the tiny models' depth: one plane of blocks per depth
-    assert -(-(LONG_PROMPTS[2] + LONG_TOKENS) // DEFAULTS.block_size) * max_loops > DEFAULTS.num_blocks
+    assert cdiv(LONG_PROMPTS[2] + LONG_TOKENS, DEFAULTS.block_size) * max_loops > DEFAULTS.num_blocks
     assert max(LONG_PROMPTS) + LONG_TOKENS <= MAX_MODEL_LEN
     assert sorted(ORDER) == sorted(LONG_PROMPTS + SHORT_PROMPTS) and len(ORDER) > MAX_NUM_SEQS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import loopserve
 from loopserve.cluster.config import ClusterConfig
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.spec import WorkerSpec
+from loopserve.cluster.worker_spec import WorkerSpec
 
 START_TIMEOUT_S = 300.0  # model load + NIXL agent creation, on a busy machine
 

@@ -17,7 +17,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.spec import WorkerSpec, worker_class
+from loopserve.cluster.worker_spec import WorkerSpec, worker_class
 
 
 class WorkerDiedError(RuntimeError):

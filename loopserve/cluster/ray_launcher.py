@@ -43,7 +43,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from loopserve.cluster.config import RayConfig
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.spec import WorkerSpec, worker_class
+from loopserve.cluster.worker_spec import WorkerSpec, worker_class
 
 
 def ensure_ray(cfg: RayConfig) -> bool:

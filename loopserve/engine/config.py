@@ -23,7 +23,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "tiny-ouro"  # a name in configs/models/ or a Hugging Face-format directory
+    model: str = "tiny-ouro"  # a name in loopserve/model/configs/ or a Hugging Face-format directory
     tokenizer: str | None = None  # a tokenizers JSON file; None = byte tokenizer
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"

@@ -15,7 +15,7 @@ The Operation passed in gathers its rows' loop state from the engine's slab and 
 new state back itself (the slab rows travel in the batch), so a replay is the batch's one
 copy, one launch and the copy of its output: with the gather, scatter and copies in and out of
 static state buffers around the replay, a batch-1 RECURRENT step spent 404 µs of host time
-before its replay on the H200 (95 µs now; `benchmarks/decode_bubble_gpu.py`), and the host
+before its replay on the H200 (95 µs now; `benchmarks/experiments/decode_bubble_gpu.py`), and the host
 time between a token's sample and its first loop is GPU idle time.
 """
 

@@ -16,6 +16,7 @@ from loopserve.engine import handoff
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
+from loopserve.intmath import cdiv
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.counters import EngineCounters
 from loopserve.engine.outputs import RequestOutput
@@ -92,7 +93,7 @@ class EngineCore:
         if not self.model.use_fused_loop(config.fused_loop_rows if fused else 0) and config.fused_loop == "on":
             raise ValueError(f"fused_loop='on': model {config.model!r} has no fused loop kernel (Ouro has)")
         if config.cuda_graphs and self.device.type == "cuda":
-            self.runner.use_graphs(config.max_num_seqs, -(-config.max_model_len // config.block_size),
+            self.runner.use_graphs(config.max_num_seqs, cdiv(config.max_model_len, config.block_size),
                                    capture=True)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()

@@ -17,6 +17,7 @@ from typing import Any
 
 from loopserve.engine.request import Request
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
 
 _LOOP_KEYS = ("min_loops", "max_loops", "exit_threshold")
@@ -64,7 +65,7 @@ class HandoffMessage:
             raise ValueError(f"{where}: compat['block_size'] must be an integer >= 1, "
                              f"got {self.compat.get('block_size')!r}")
         table = self.table()
-        need = -(-self.num_kv_tokens // self.block_size)
+        need = cdiv(self.num_kv_tokens, self.block_size)
         if not table.depth:
             raise ValueError(f"{where}: block_table has no depth planes")
         planes = {f"depth[{d}]": ids for d, ids in enumerate(table.depth)}
@@ -96,7 +97,7 @@ class HandoffMessage:
         """Looped blocks a decode engine reserves for it: prompt + max_tokens on every plane
         the prefill side's block table has (one for a model whose loops share a plane)."""
         tokens = len(self.prompt_token_ids) + self.params.max_tokens
-        return -(-tokens // self.block_size) * self.table().num_planes
+        return cdiv(tokens, self.block_size) * self.table().num_planes
 
     def table(self) -> BlockTable:
         try:

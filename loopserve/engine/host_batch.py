@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.intmath import cdiv
 from loopserve.model.batch import AttnMetadata, ModelBatch, to_device
 from loopserve.scheduler.types import Operation
 
@@ -129,7 +130,7 @@ def _slots(positions: Sequence[int], blocks: list[int], block_size: int) -> list
     if n > block_size and list(positions) == list(range(positions[0], positions[0] + n)):
         out: list[int] = []
         lo, hi = positions[0], positions[0] + n
-        for i in range(lo // block_size, (hi - 1) // block_size + 1):
+        for i in range(lo // block_size, cdiv(hi, block_size)):
             shift = (blocks[i] - i) * block_size
             out += range(max(lo, i * block_size) + shift, min(hi, (i + 1) * block_size) + shift)
         return out
@@ -149,7 +150,7 @@ def host_batch(operation: Operation, seg_positions: list[Sequence[int]], seg_blo
     for s, (ps, blocks) in enumerate(zip(seg_positions, seg_blocks)):
         starts.append(starts[-1] + len(ps))
         c = max(ps) + 1 if ps else 0
-        need = -(-c // block_size) if blocks else 0
+        need = cdiv(c, block_size) if blocks else 0
         if blocks and need > len(blocks):
             raise ValueError(f"segment {s}: context {c} needs {need} blocks, table has {len(blocks)}")
         ctx.append(c)

@@ -82,8 +82,8 @@ class Request:
             not p.ignore_eos and self.eos_token_id is not None and sample.token_id == self.eos_token_id
         ):
             self.finish_reason = "stop"
-        elif p.stop:
-            start = max(0, old_len - max(map(len, p.stop)) + 1)
+        elif p.stop:  # a match may begin in the held-back tail of the text before this token
+            start = max(0, old_len - self._stop_hold())
             hits = [i for s in p.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 self.text = self.text[: min(hits)]  # the reply is cut before the stop string

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loopserve.intmath import cdiv
 from loopserve.kv_cache.block_pool import BlockPool
 from loopserve.kv_cache.block_table import BlockTable, KVLayout
 
@@ -30,10 +31,6 @@ class KVUsage:
         return self.looped.used + self.flat.used
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     """Allocates every plane of a request together, so all planes cover the same positions.
 
@@ -52,7 +49,7 @@ class KVCacheManager:
         self._new_flat: list[int] = []
 
     def blocks_needed(self, num_tokens: int, num_planes: int) -> tuple[int, int]:
-        n = _ceil_div(num_tokens, self.layout.block_size)
+        n = cdiv(num_tokens, self.layout.block_size)
         return n * num_planes, (n if self.layout.has_flat else 0)
 
     def can_ever_fit(self, num_tokens: int, num_planes: int) -> bool:
@@ -84,7 +81,7 @@ class KVCacheManager:
                     f"request {request_id!r} was fully reserved; growing it is not allowed"
                 )
         have = table.num_logical_blocks() if table is not None else 0
-        grow = _ceil_div(num_tokens, self.layout.block_size) - have
+        grow = cdiv(num_tokens, self.layout.block_size) - have
         if grow <= 0:
             return True
         need_flat = grow if self.layout.has_flat else 0

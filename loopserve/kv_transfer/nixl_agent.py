@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ class NixlKVWorker:
             raise ValueError(f"{request_id}: remote table has {remote_t.num_planes} depth planes and local "
                              f"table {local_t.num_planes}; they must be equal and >= 1")
         peer = self._peers[peer_engine_id]
-        n = -(-num_tokens // self.block_size)
+        n = cdiv(num_tokens, self.block_size)
         remote = self._block_ids(request_id, "remote", remote_t, peer.layouts, n)
         local = self._block_ids(request_id, "local", local_t, self.layouts, n)
         self._check_no_repeats(request_id, local)

@@ -10,12 +10,16 @@ loopserve adds three optional loop defaults: `min_loops`, `max_loops`, `exit_thr
 from __future__ import annotations
 
 import json
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+# Named model configs ship as package data (loopserve/model/configs/<name>.json), so every
+# install finds them, not only a source checkout.
+MODEL_CONFIGS = files("loopserve.model") / "configs"
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -229,10 +233,6 @@ CONFIG_CLASSES: dict[str, type[_Base]] = {
 }
 
 
-def register_config(architecture: str, cls: type[_Base]) -> None:
-    CONFIG_CLASSES[architecture] = cls
-
-
 def parse_config(data: dict, source: str = "config") -> _Base:
     """Validate a config dict; errors name the field, the value and the rule."""
     archs = data.get("architectures")
@@ -255,15 +255,17 @@ def parse_config(data: dict, source: str = "config") -> _Base:
 
 
 def load_model_config(name_or_dir: str | Path) -> _Base:
-    """A name resolves to configs/models/<name>.json; a directory to its config.json."""
+    """A directory resolves to its config.json, a .json file to itself, a name to
+    MODEL_CONFIGS/<name>.json."""
     p = Path(name_or_dir)
+    path: Path | Traversable
     if p.is_dir():
         path = p / "config.json"
     elif p.suffix == ".json" and p.exists():
         path = p
     else:
-        path = CONFIG_DIR / f"{name_or_dir}.json"
-        if not path.exists():
-            known = sorted(q.stem for q in CONFIG_DIR.glob("*.json"))
+        path = MODEL_CONFIGS / f"{name_or_dir}.json"
+        if not path.is_file():
+            known = sorted(q.name.removesuffix(".json") for q in MODEL_CONFIGS.iterdir() if q.name.endswith(".json"))
             raise ValueError(f"model {str(name_or_dir)!r} is neither a directory nor one of {known}")
     return parse_config(json.loads(path.read_text()), str(path))

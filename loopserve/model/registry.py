@@ -23,10 +23,6 @@ MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroC
 IGNORED_KEYS = {"freqs_cis"}
 
 
-def register_model(config_cls: type, model_cls: type[LoopedModel]) -> None:
-    MODEL_CLASSES[config_cls] = model_cls
-
-
 def _instantiate(cfg) -> LoopedModel:
     return MODEL_CLASSES[type(cfg)](cfg)
 

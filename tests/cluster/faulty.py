@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from loopserve.cluster.spec import worker_class
+from loopserve.cluster.worker_spec import worker_class
 from loopserve.decode_worker.worker import DecodeWorker
 from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 from loopserve.worker_host.host import EngineHost

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.spec import worker_class
+from loopserve.cluster.worker_spec import worker_class
 
 
 class InProcessHandle(WorkerHandle):

@@ -103,7 +103,7 @@ def test_job_entry_point_reports_bad_config(tmp_path):
 ])
 def test_process_launcher_pins_gpus(monkeypatch, gpus, visible, expect):
     from loopserve.cluster.placement import pin_gpus
-    from loopserve.cluster.spec import WorkerSpec
+    from loopserve.cluster.worker_spec import WorkerSpec
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

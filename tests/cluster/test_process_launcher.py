@@ -34,7 +34,7 @@ def test_process_cluster_equals_colocated(config):
 
 def test_worker_start_failure_is_reported():
     from loopserve.cluster.process_launcher import ProcessWorkerHandle
-    from loopserve.cluster.spec import WorkerSpec
+    from loopserve.cluster.worker_spec import WorkerSpec
 
     h = ProcessWorkerHandle(WorkerSpec("colocated-0", "colocated", {"model": "no-such-model"}))
     try:

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 from loopserve.engine.request import Request
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.host_batch import _slots, host_batch
+from loopserve.intmath import cdiv
 from loopserve.model.batch import host_tensor
 from loopserve.scheduler import Operation
 
@@ -49,7 +50,7 @@ def test_packed_batch_fields_and_graph_padding():
 @settings(max_examples=200, deadline=None)
 @given(bs=st.sampled_from([1, 4, 16]), start=st.integers(0, 70), n=st.integers(1, 60), data=st.data())
 def test_slots_of_a_contiguous_run_equal_the_per_position_formula(bs, start, n, data):
-    blocks = data.draw(st.permutations(range(-(-(start + n) // bs) + 3)))
+    blocks = data.draw(st.permutations(range(cdiv(start + n, bs) + 3)))
     run = tuple(range(start, start + n))
     gappy = sorted(data.draw(st.sets(st.integers(0, start + n - 1), min_size=1, max_size=n)))
     for ps in (run, gappy):

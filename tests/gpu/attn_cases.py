@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.intmath import cdiv
 from loopserve.model.attention.torch_ref import TorchAttention
 from loopserve.model.batch import AttnMetadata
 from tests.attn_metadata import build_attn_metadata
@@ -41,7 +42,7 @@ def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, 
     `skip_blocks` zero blocks below the segments' (a pool past 2^31 elements, cheaply)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-(max(ps) + 1) // block_size) if ps else 0 for ps in seg_positions]
+    need = [cdiv(max(ps) + 1, block_size) if ps else 0 for ps in seg_positions]
     num_blocks = sum(need) + 3  # a few blocks no segment owns: they must stay untouched
     free = [skip_blocks + b for b in rng.sample(range(num_blocks), num_blocks)]
     tables = [[free.pop() for _ in range(n)] for n in need]

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from loopserve.intmath import cdiv
 from loopserve.kv_transfer.nixl_agent import (
     KVCompatError,
     KVTransferError,
@@ -130,7 +131,7 @@ def test_concurrent_random_reads_land_bitwise_and_notify_the_owner(owner, reader
     local_free = {k: list(range(s[0])) for k, s in SHAPES.items()}
     reqs = {}
     for i, num_tokens in enumerate([1, 37, 80, 129]):  # 1, 3, 5, 9 blocks per plane
-        n = -(-num_tokens // BLOCK_SIZE)
+        n = cdiv(num_tokens, BLOCK_SIZE)
         remote, local = random_tables(rng, n + rng.randint(0, 2), remote_free, local_free)  # tables may be longer
         rid = f"req,{i}"  # ids are opaque strings: commas must survive the notification
         nbytes = reader.start_read(rid, OWNER, remote, local, num_tokens)

@@ -36,32 +36,15 @@ def test_one_loop_equals_the_per_layer_path(ouro, programs):
     compare(ouro, OuroFusedLoop(ouro, num_programs=programs), case, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", [0, 1, 2, 3])
-def test_gemv_modes(dtype, mode):
-    """GEMV modes 0 (register chunks into FMAs), 1 (tl.dot, rows padded to 16; x rounded to
-    the weights' dtype), 2 and 3 (TMA-ring chunks into FMAs / tl.dot). block_k 32 gives
-    every K several chunks, so the chunk loops prefetch past the end and modes 2 and 3's
-    flat (tile, chunk) loop crosses tile boundaries; 3 programs own unequal tile counts."""
+@pytest.mark.parametrize("dtype, block_k", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 128)])
+def test_gemv_k_chunks(dtype, block_k):
+    """block_k 32 gives every K several chunks, so the chunk loop loads the next chunk past
+    the end of K; 128 leaves some K (tiny-ouro's 64) shorter than the first chunk. 3 programs
+    own unequal tile counts."""
     m = resolve_model("tiny-ouro", dtype=dtype, seed=0)
     case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=dtype)
-    fused = OuroFusedLoop(m, num_programs=3, gemv_mode=mode, block_k=512 if mode == 1 else 32)
+    fused = OuroFusedLoop(m, num_programs=3, block_k=block_k)
     compare(m, fused, case, atol=1e-5 if dtype == torch.float32 else 5e-2)
-
-
-@pytest.mark.parametrize("block_k", [32, 128])
-def test_two_weight_chunks_ahead(block_k):
-    """GEMV mode 0 with two W chunks loaded ahead: block_k 32 runs the ring over many chunks
-    and past the end of K, 128 leaves some K (tiny-ouro's 64) shorter than the first chunk."""
-    m = resolve_model("tiny-ouro", dtype=torch.float32, seed=0)
-    case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
-    compare(m, OuroFusedLoop(m, num_programs=3, block_k=block_k, w_ahead=2), case, atol=1e-5)
-
-
-def test_taller_row_tiles(ouro):
-    """min_row_tile 16: every GEMV in 16-row tiles (tiny-ouro's 64-row o and down: 4 tiles over 3 programs)."""
-    case = make_case(ouro, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=torch.float32)
-    compare(ouro, OuroFusedLoop(ouro, num_programs=3, min_row_tile=16), case, atol=1e-5)
 
 
 def test_padding_rows_write_no_kv(ouro):
@@ -102,7 +85,6 @@ def test_row_tile_balances_programs():
     assert row_tile(2048, 132) == 16  # 128 tiles: one each
     assert row_tile(11264, 132) == 8  # 16-row tiles leave the busiest program 96 rows, 8-row 88
     assert row_tile(6144, 132) == 16
-    assert row_tile(11264, 132, min_tile=16) == 16  # taller tiles asked for: balance gives way
 
 
 def test_rejects_bad_settings(ouro):
@@ -110,18 +92,6 @@ def test_rejects_bad_settings(ouro):
         OuroFusedLoop(ouro, max_rows=0)
     with pytest.raises(ValueError, match="use_barrier needs concurrent programs"):
         OuroFusedLoop(ouro, use_barrier=True)
-    with pytest.raises(ValueError, match="gemv_mode=4 must be one of"):
-        OuroFusedLoop(ouro, gemv_mode=4)
-    with pytest.raises(ValueError, match="w_ahead=3 must be 1 or 2"):
-        OuroFusedLoop(ouro, w_ahead=3)
-    with pytest.raises(ValueError, match="w_ahead=2 must be 1 or 2.*gemv_mode=1"):
-        OuroFusedLoop(ouro, w_ahead=2, gemv_mode=1)
-    with pytest.raises(ValueError, match="min_row_tile=32 must be <= 16"):
-        OuroFusedLoop(ouro, min_row_tile=32)
-    with pytest.raises(ValueError, match="prefetch_own applies to GEMV mode 0 only"):
-        OuroFusedLoop(ouro, prefetch_own=True, gemv_mode=2, block_k=256)
-    with pytest.raises(ValueError, match="block_k=512 must be <= 256 in TMA GEMV mode 2"):
-        OuroFusedLoop(ouro, gemv_mode=2, block_k=512)
 
 
 def test_engine_with_fused_loop_matches_dense_reference():

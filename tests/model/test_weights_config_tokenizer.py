@@ -5,7 +5,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from loopserve.model.config import load_model_config, parse_config
+from loopserve.model.config import MODEL_CONFIGS, load_model_config, parse_config
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.model.registry import load_model, resolve_model, save_model
 from loopserve.model.tokenizer import ByteTokenizer
@@ -62,7 +62,7 @@ def test_bad_checkpoint_names_the_tensor(tmp_path):
 
 
 def test_config_errors_name_field_value_and_range():
-    base = json.loads((load_model_config.__globals__["CONFIG_DIR"] / "tiny-ouro.json").read_text())
+    base = json.loads((MODEL_CONFIGS / "tiny-ouro.json").read_text())
     with pytest.raises(ValueError, match=r"hidden_size=0.*greater than or equal to 1"):
         parse_config({**base, "hidden_size": 0})
     with pytest.raises(ValueError, match="intermediate_size"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
 from loopserve.scheduler import (
     BatchItem,
@@ -128,7 +129,7 @@ class FakeEngine:
         """The decode side's NIXL READ: copy the prompt's markers, every plane, block by block."""
         self.zero_new_blocks()  # fresh blocks are zeroed before the read lands (as the engine does)
         src, dst = prefill.kv.block_table(rid), self.kv.block_table(rid)
-        n = -(-prefill.tracks[rid].prompt_len // self.bs)
+        n = cdiv(prefill.tracks[rid].prompt_len, self.bs)
         for s_plane, d_plane in zip(src.depth, dst.depth):
             for sb, db in zip(s_plane[:n], d_plane[:n]):
                 self.looped[db] = list(prefill.looped[sb])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
 from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
 from loopserve.model.attention.segments import fresh_segments, subset
@@ -63,7 +64,7 @@ def launch_config(meta: AttnMetadata, group: int, num_kv_heads: int, num_sms: in
     score_rows = 64 if fp32 else 128
     rows = min(triton.next_power_of_2(max(max_rows, 1)), _pow2_floor(score_rows // group))
     block_m = max(16, triton.next_power_of_2(rows * group))
-    tiles = sum(-(-(b - a) // rows) for a, b in meta.seg_bounds)
+    tiles = sum(cdiv(b - a, rows) for a, b in meta.seg_bounds)
     if kv_splits is None:
         want = 2 * num_sms // max(tiles * num_kv_heads, 1)
         kv_splits = min(_pow2_floor(want), _pow2_floor(meta.max_context_len // _MIN_SPLIT_LEN), _MAX_SPLITS)

@@ -64,35 +64,6 @@ def _rms(x, mask, n, eps):
 
 
 @triton.jit
-def _prefetch_tile(W, N, K, BN, t, max_bytes):
-    """Ask L2 for rows [t·BN, t·BN + BN) of a row-major W[N, K] (at most max_bytes of them)
-    without waiting: one `cp.async.bulk.prefetch` from one thread (the copy engine walks the
-    bytes; sm_90)."""
-    esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    nbytes = tl.minimum(tl.minimum(N - t * BN, BN) * K * esize, max_bytes).to(tl.int32) // 16 * 16
-    addr = (W + t.to(tl.int64) * BN * K).to(tl.int64, bitcast=True) + tl.zeros([1], tl.int64)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_slice(W, N, K, BN, pid, num_progs, MAX_BYTES: tl.constexpr):
-    """Ask L2 for this program's tiles (rows [t·BN, t·BN + BN) for t = pid, pid + num_progs, ...)
-    of a row-major W[N, K], up to MAX_BYTES: weights never depend on the phase before, so
-    DRAM streams them while the program waits at a barrier, runs latency-bound attention or
-    builds its input vector."""
-    esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    tile_bytes = BN * K * esize
-    budget = tl.minimum(MAX_BYTES, tl.cdiv(tl.cdiv(N, BN) - pid, num_progs) * tile_bytes)
-    t = pid
-    for off in range(0, budget, tile_bytes):
-        _prefetch_tile(W, N, K, BN, t, budget - off)
-        t += num_progs
-
-
-@triton.jit
 def _add_norm(X, s_x, Delta, W1, W2, XOut, Scratch, num_rows, H, eps, has_delta, write_x,
               BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """x' = x + rms(δ)·w1 (x when not has_delta); Scratch = rms(x')·w2; XOut = x' if write_x."""
@@ -120,125 +91,32 @@ def _w_chunk(rows, k, K, n_mask):
 
 @triton.jit
 def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
-          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-          XSRC: tl.constexpr, DOT_F32: tl.constexpr, AHEAD: tl.constexpr, OWN_PREFETCH: tl.constexpr):
+          BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XSRC: tl.constexpr):
     """Y[b, :N] = W[N, K] · x[b, :K] for b < num_rows (x: _x_chunk of Xs); tiles of BN rows,
-    grid-strided.
-
-    MODE 0: fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile; the next
-    AHEAD (1 or 2) K chunks of W and the next of x are loaded before the current ones are
-    used, so AHEAD + 1 chunks of W are in flight per program; OWN_PREFETCH: each tile first
-    asks L2 for the program's next one (the first tile for itself too), so DRAM streams a
-    whole tile ahead of the register loads. MODE 1: tensor cores, the rows
-    padded to 16 (x rounded to W's dtype, as the per-layer path's activations are), so 1 to 16
-    rows cost the same and Triton's software pipeline keeps several K chunks in flight."""
+    grid-strided. fp32 FMAs into a [BN, BK] accumulator per row, reduced once per tile; the
+    next K chunk of W and of x are loaded before the current ones are used, so two chunks of
+    W are in flight per program. (The variants tried beside it, and which measured slower:
+    docs/design.md, "GEMVs".)"""
     kk = tl.arange(0, BK)
     for t in range(pid, tl.cdiv(N, BN), num_progs):
-        if OWN_PREFETCH:
-            esize: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-            if t == pid:
-                _prefetch_tile(W, N, K, BN, t, BN * K * esize)
-            if t + num_progs < tl.cdiv(N, BN):
-                _prefetch_tile(W, N, K, BN, t + num_progs, BN * K * esize)
         n = t * BN + tl.arange(0, BN)
         n_mask = n < N
         rows = W + n[:, None].to(tl.int64) * K
-        if MODE == 1:
-            BM: tl.constexpr = 16 if BLOCK_B < 16 else BLOCK_B
-            b_idx = tl.arange(0, BM)
-            acc = tl.zeros([BM, BN], tl.float32)
-            for k0 in range(0, K, BK):
-                k = k0 + kk
-                w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :],
-                             XSRC).to(w.dtype)
-                if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            b_idx = tl.arange(0, BLOCK_B)
-            acc = tl.zeros([BLOCK_B, BN], tl.float32)
-            for r in tl.static_range(BLOCK_B):
-                acc2 = tl.zeros([BN, BK], tl.float32)
-                w = _w_chunk(rows, kk, K, n_mask)
-                if AHEAD == 2:
-                    w1 = _w_chunk(rows, BK + kk, K, n_mask)
-                x = _x_chunk(Xs, r, kk, K, (kk < K) & (kk * 0 + r < num_rows), XSRC)
-                for k0 in range(0, K, BK):
-                    k_next = k0 + BK + kk
-                    w_next = _w_chunk(rows, k0 + AHEAD * BK + kk, K, n_mask)
-                    x_next = _x_chunk(Xs, r, k_next, K, (k_next < K) & (k_next * 0 + r < num_rows), XSRC)
-                    acc2 += w.to(tl.float32) * x[None, :]
-                    if AHEAD == 2:
-                        w = w1
-                        w1 = w_next
-                    else:
-                        w = w_next
-                    x = x_next
-                acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
-        tl.store(Y + b_idx[:, None] * N + n[None, :], acc, mask=(b_idx < num_rows)[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _gemv_tma(Desc, row0, N, K, Xs, Y, num_rows, pid, num_progs,
-              BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-              DOT: tl.constexpr, XSRC: tl.constexpr, DOT_F32: tl.constexpr):
-    """Y[b, :N] = W[N, K] · x[b, :K] (x: _x_chunk of Xs), W's [BN, BK] chunks read by TMA bulk copies into a
-    STAGES-deep shared-memory ring (Hopper): one flat loop over this program's (tile, K
-    chunk) pairs, so the copies stream on across tile boundaries and ~STAGES chunks are
-    always in flight, where register loads kept one. Desc views the stacked [L·N, K]
-    weights; row0 = layer · N (rows past N belong to the next layer or are zero-filled past
-    the end; they are never stored). DOT False: fp32 FMAs into a [rows, BN, BK] accumulator,
-    reduced once per tile; True: tensor cores, W the left operand (rows padded to 16)."""
-    kk = tl.arange(0, BK)
-    nk = tl.cdiv(K, BK)
-    mine = tl.cdiv(tl.cdiv(N, BN) - pid, num_progs)
-    if DOT:
-        BM: tl.constexpr = 16 if BLOCK_B < 16 else BLOCK_B
-        b_idx = tl.arange(0, BM)
-        acc = tl.zeros([BN, BM], tl.float32)
-    else:
         b_idx = tl.arange(0, BLOCK_B)
-        acc = tl.zeros([BLOCK_B, BN, BK], tl.float32)
-    for i in tl.range(0, mine * nk, num_stages=STAGES):
-        t = pid + (i // nk) * num_progs
-        kc = i % nk
-        k = kc * BK + kk
-        w = Desc.load([row0 + t * BN, kc * BK])
-        x = _x_chunk(Xs, b_idx[:, None], k[None, :], K, (b_idx < num_rows)[:, None] & (k < K)[None, :], XSRC)
-        if DOT:
-            if DOT_F32:  # the interpreter's numpy dot misreads bf16 operands
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(w.dtype).to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision="ieee")
-        else:
-            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        if kc == nk - 1:
-            n = t * BN + tl.arange(0, BN)
-            if DOT:
-                tl.store(Y + b_idx[None, :] * N + n[:, None], acc,
-                         mask=(b_idx < num_rows)[None, :] & (n < N)[:, None])
-                acc = tl.zeros([BN, BM], tl.float32)
-            else:
-                tl.store(Y + b_idx[:, None] * N + n[None, :], tl.sum(acc, axis=2),
-                         mask=(b_idx < num_rows)[:, None] & (n < N)[None, :])
-                acc = tl.zeros([BLOCK_B, BN, BK], tl.float32)
-
-
-@triton.jit
-def _linear(W, Desc, layer, N, K, Xs, Y, num_rows, pid, num_progs,
-            BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-            STAGES: tl.constexpr, XSRC: tl.constexpr, INTERPRET: tl.constexpr, W_AHEAD: tl.constexpr,
-            OWN_PREFETCH: tl.constexpr):
-    """Layer `layer`'s GEMV of one stacked weight W[L, N, K] in GEMV mode MODE (0-3)."""
-    if MODE >= 2:
-        _gemv_tma(Desc, (layer * N).to(tl.int32), N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, STAGES,
-                  MODE == 3, XSRC, INTERPRET)
-    else:
-        _gemv(W + layer * N * K, N, K, Xs, Y, num_rows, pid, num_progs, BLOCK_B, BN, BK, MODE, XSRC, INTERPRET,
-              W_AHEAD, OWN_PREFETCH)
+        acc = tl.zeros([BLOCK_B, BN], tl.float32)
+        for r in tl.static_range(BLOCK_B):
+            acc2 = tl.zeros([BN, BK], tl.float32)
+            w = _w_chunk(rows, kk, K, n_mask)
+            x = _x_chunk(Xs, r, kk, K, (kk < K) & (kk * 0 + r < num_rows), XSRC)
+            for k0 in range(0, K, BK):
+                k_next = k0 + BK + kk
+                w_next = _w_chunk(rows, k_next, K, n_mask)
+                x_next = _x_chunk(Xs, r, k_next, K, (k_next < K) & (k_next * 0 + r < num_rows), XSRC)
+                acc2 += w.to(tl.float32) * x[None, :]
+                w = w_next
+                x = x_next
+            acc = tl.where(b_idx[:, None] == r, acc + tl.sum(acc2, axis=1)[None, :], acc)
+        tl.store(Y + b_idx[:, None] * N + n[None, :], acc, mask=(b_idx < num_rows)[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -375,7 +253,7 @@ def ouro_loop_kernel(
         Hidden, s_hid, Out, RemIn, RemOut, Score,
         Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
         Cache, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
-        Wqkv, Wo, Wgu, Wdown, DWqkv, DWo, DWgu, DWdown, Norms, WNorm, WGate, BGate,
+        Wqkv, Wo, Wgu, Wdown, Norms, WNorm, WGate, BGate,
         Xres, Delta, QKV, GU, Acc, MPart, LPart, Merged, Scratch, s_scr, Count, Times,
         num_rows, num_splits, qk_scale, eps, phase_lo, phase_hi,
         L: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
@@ -383,13 +261,9 @@ def ouro_loop_kernel(
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
-        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
-        NEXT_BYTES: tl.constexpr, GEMV_MODE: tl.constexpr, STAGES: tl.constexpr, W_AHEAD: tl.constexpr,
-        OWN_PREFETCH: tl.constexpr,
-        TIMING: tl.constexpr, INTERPRET: tl.constexpr):
+        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, TIMING: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
-    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). DW*: TMA
-    descriptors of the stacked weights viewed as [L·N, K] (GEMV modes 2, 3; else None). Times:
+    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). Times:
     [phases, programs, 3] int64 when TIMING (see _stamp)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -403,15 +277,6 @@ def ouro_loop_kernel(
         kind = ph % PHASES
         lw = layer.to(tl.int64)
         _stamp(Times, ph, pid, num_progs, 0, TIMING)
-        if PREFETCH:  # this program's part of the next GEMV phase's weights, during this one
-            if kind < 2:
-                _prefetch_slice(Wo + lw * H * NQ, H, NQ, BN_O, pid, num_progs, NEXT_BYTES)
-            elif kind == 2:
-                _prefetch_slice(Wgu + lw * 2 * I * H, 2 * I, H, BN_GU, pid, num_progs, NEXT_BYTES)
-            elif kind == 3:
-                _prefetch_slice(Wdown + lw * H * I, H, I, BN_DOWN, pid, num_progs, NEXT_BYTES)
-            elif layer + 1 < L:
-                _prefetch_slice(Wqkv + (lw + 1) * NQKV * H, NQKV, H, BN_QKV, pid, num_progs, NEXT_BYTES)
         if layer == L:
             if pid == 0:
                 _add_norm(xa, H, Delta, Norms + (L - 1) * 4 * H + 3 * H, WNorm, xa, scratch,
@@ -427,8 +292,8 @@ def ouro_loop_kernel(
                     _add_norm(xa, H, Delta, Norms + (lw - 1) * 4 * H + 3 * H, Norms + lw * 4 * H, xb,
                               scratch, num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
-                _linear(Wqkv, DWqkv, lw, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
-                        BLOCK_B, BN_QKV, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD, OWN_PREFETCH)
+                _gemv(Wqkv + lw * NQKV * H, NQKV, H, scratch, QKV, num_rows, pid, num_progs,
+                      BLOCK_B, BN_QKV, BK, X_OWN)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
             _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
@@ -439,22 +304,22 @@ def ouro_loop_kernel(
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
-                _linear(Wo, DWo, lw, H, NQ, Merged, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_O, BK, GEMV_MODE, STAGES, X_SHARED, INTERPRET, W_AHEAD, OWN_PREFETCH)
+                _gemv(Wo + lw * H * NQ, H, NQ, Merged, Delta, num_rows, pid, num_progs,
+                      BLOCK_B, BN_O, BK, X_SHARED)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 3:
             if pid < tl.cdiv(2 * I, BN_GU):
                 _add_norm(xb, H, Delta, Norms + lw * 4 * H + H, Norms + lw * 4 * H + 2 * H, xa, scratch,
                           num_rows, H, eps, True, pid == 0, BLOCK_B, BLOCK_H)
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
-                _linear(Wgu, DWgu, lw, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
-                        BLOCK_B, BN_GU, BK, GEMV_MODE, STAGES, X_OWN, INTERPRET, W_AHEAD, OWN_PREFETCH)
+                _gemv(Wgu + lw * (2 * I) * H, 2 * I, H, scratch, GU, num_rows, pid, num_progs,
+                      BLOCK_B, BN_GU, BK, X_OWN)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         else:
             if pid < tl.cdiv(H, BN_DOWN):
                 _stamp(Times, ph, pid, num_progs, 1, TIMING)
-                _linear(Wdown, DWdown, lw, H, I, GU, Delta, num_rows, pid, num_progs,
-                        BLOCK_B, BN_DOWN, BK, GEMV_MODE, STAGES, X_SWIGLU, INTERPRET, W_AHEAD, OWN_PREFETCH)
+                _gemv(Wdown + lw * H * I, H, I, GU, Delta, num_rows, pid, num_progs,
+                      BLOCK_B, BN_DOWN, BK, X_SWIGLU)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         if USE_BARRIER:
             if ph + 1 < phase_hi:

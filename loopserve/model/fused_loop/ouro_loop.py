@@ -11,29 +11,26 @@ next call stacks again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_backend import _INTERPRET as INTERPRET
 from loopserve.model.attention.triton_backend import _MAX_SPLITS, _num_sms, _pow2_floor
 from loopserve.model.batch import LoopState, ModelBatch
 from loopserve.model.fused_loop.kernel import PHASES_PER_LAYER, ouro_loop_kernel
 from loopserve.model.paged_kv import PagedKVCache
 
-# GEMV tile heights per GEMV mode (kernel.py: 0 registers/FMA, 1 registers/tensor cores, 2 TMA
-# ring/FMA, 3 TMA ring/tensor cores; tensor cores need >= 16)
-_ROW_TILES = {0: (16, 8, 4), 1: (32, 16), 2: (16, 8), 3: (32, 16)}
-_TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
+_ROW_TILES = (16, 8, 4)  # GEMV tile heights, taller first
+_NUM_STAGES = 3  # software-pipelining depth of the kernel's loops: the measured configuration
 
 
-def row_tile(n: int, programs: int, mode: int = 0, min_tile: int = 1) -> int:
-    """The GEMV tile height of at least `min_tile` rows (taller tiles: more bytes per K chunk)
-    that leaves the busiest program the fewest rows (ties: taller)."""
-    tiles = [bn for bn in _ROW_TILES[mode] if bn >= min_tile]
-    return min(tiles, key=lambda bn: -(-(-(-n // bn)) // programs) * bn)
+def row_tile(n: int, programs: int) -> int:
+    """The GEMV tile height that leaves the busiest program the fewest rows (ties: taller,
+    which reads more bytes per K chunk)."""
+    return min(_ROW_TILES, key=lambda bn: cdiv(cdiv(n, bn), programs) * bn)
 
 
 def num_splits(rows: int, kv_heads: int, programs: int, max_context_len: int, min_len: int) -> int:
@@ -52,32 +49,22 @@ class _Stacked:
     down: torch.Tensor  # [L, H, I]
     norms: torch.Tensor  # [L, 4 H]: input_layernorm(_2), post_attention_layernorm(_2)
     ptrs: list[int]
-    descs: dict = field(default_factory=dict)  # (kind, BN, BK) -> TMA descriptor of [L·N, K]
-
-    def desc(self, kind: str, bn: int, bk: int) -> TensorDescriptor:
-        key = (kind, bn, bk)
-        if key not in self.descs:
-            w = getattr(self, kind)
-            self.descs[key] = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk])
-        return self.descs[key]
 
 
 class OuroFusedLoop:
-    """`num_programs`: the persistent grid (default: `programs_per_sm` per SM, all resident
-    at once; on the interpreter 1). `use_barrier` False launches one phase at a time (the
+    """`num_programs`: the persistent grid (default: one program per SM, all resident at
+    once; on the interpreter 1). `use_barrier` False launches one phase at a time (the
     interpreter needs that: its programs run one after another)."""
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
-                 programs_per_sm: int = 1, prefetch_kib: int = 0, gemv_mode: int = 0,
-                 num_stages: int = 3, phase_times: bool = False, w_ahead: int = 1,
-                 prefetch_own: bool = False, min_row_tile: int = 1) -> None:
+                 phase_times: bool = False) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
                              f"{cfg.num_attention_heads}, Hkv={cfg.kv_heads}, head_dim={cfg.hd}")
         dev = next(model.parameters()).device
-        if dev.type not in ("cuda", "meta") and not INTERPRET:  # meta: launch_args for an offline compile
+        if dev.type != "cuda" and not INTERPRET:
             raise ValueError(f"the fused loop runs on CUDA (or on CPU under TRITON_INTERPRET=1); the model is on {dev}")
         if not 1 <= max_rows <= 64:
             raise ValueError(f"max_rows={max_rows} must be in [1, 64]")
@@ -89,31 +76,6 @@ class OuroFusedLoop:
         if self.use_barrier and INTERPRET:
             raise ValueError("use_barrier needs concurrent programs; the Triton interpreter runs them in turn")
         self.block_k = block_k
-        self.programs_per_sm = programs_per_sm
-        if prefetch_kib < 0:
-            raise ValueError(f"prefetch_kib={prefetch_kib} must be >= 0")
-        # KiB per program of the next GEMV phase's weights requested into L2 ahead (sm_90 PTX;
-        # not under the interpreter); 0: off
-        self.prefetch_kib = prefetch_kib
-        if gemv_mode not in _ROW_TILES:
-            raise ValueError(f"gemv_mode={gemv_mode} must be one of {sorted(_ROW_TILES)}")
-        if gemv_mode >= 2 and block_k > _TMA_MAX_BOX:
-            raise ValueError(f"block_k={block_k} must be <= {_TMA_MAX_BOX} in TMA GEMV mode {gemv_mode}")
-        self.gemv_mode = gemv_mode  # kernel.py's _linear MODE
-        if w_ahead not in (1, 2) or (w_ahead != 1 and gemv_mode != 0):
-            raise ValueError(f"w_ahead={w_ahead} must be 1 or 2 (K chunks of W loaded ahead of the one in use), "
-                             f"and 2 only in GEMV mode 0 (got gemv_mode={gemv_mode})")
-        self.w_ahead = w_ahead
-        if prefetch_own and gemv_mode != 0:
-            raise ValueError(f"prefetch_own applies to GEMV mode 0 only (got gemv_mode={gemv_mode})")
-        # each GEMV tile asks L2 for the program's next tile ahead of its register loads (sm_90
-        # PTX; not under the interpreter)
-        self.prefetch_own = prefetch_own
-        if min_row_tile > max(_ROW_TILES[gemv_mode]):
-            raise ValueError(f"min_row_tile={min_row_tile} must be <= {max(_ROW_TILES[gemv_mode])}, the tallest "
-                             f"GEMV tile of mode {gemv_mode}")
-        self.min_row_tile = min_row_tile  # row_tile's floor: trades balance for bytes per chunk
-        self.num_stages = num_stages
         self.num_warps = num_warps
         if phase_times and INTERPRET:
             raise ValueError("phase_times reads the GPU's clock (PTX): not under the Triton interpreter")
@@ -221,8 +183,7 @@ class OuroFusedLoop:
                     run: bool = True) -> tuple[tuple, dict, tuple[torch.Tensor, ...]]:
         """The kernel's arguments but the phase span, its constexprs and launch options, and its
         outputs (normed hidden, Π(1-σ), score), on a fresh workspace for a `progs`-program grid
-        (run False: only to compile, so the counters are not zeroed nor phase times kept). On
-        the meta device, what compiling the kernel offline as the JIT would needs."""
+        (run False: only to compile, so the counters are not zeroed nor phase times kept)."""
         m, cfg = self.model, self.model.config
         st = self.stacked()
         hidden = state.hidden
@@ -238,7 +199,6 @@ class OuroFusedLoop:
         cache, meta, gate = kv.looped, batch.attn, m.model.early_exit_gate
         block_g, block_d = triton.next_power_of_2(hq // hkv), triton.next_power_of_2(d)
         block_n = max(16, min(64, 4096 // (block_g * block_d)))  # attention's KV tile
-        gm = self.gemv_mode
         splits = num_splits(t, hkv, progs, meta.max_context_len, block_n)
         sizes = [2 * bb * h, bb * h, bb * nqkv, bb * 2 * inter, splits * t * hq * d, splits * t * hq,
                  splits * t * hq, bb * hq * d, progs * bb * h, 1 + t * hkv]
@@ -250,13 +210,11 @@ class OuroFusedLoop:
         times = None
         if run and self.phase_times:
             times = self.last_phase_times = torch.full((self.n_phases, progs, 3), -1, dtype=torch.int64, device=dev)
-        bn = {kind: row_tile(n, progs, gm, self.min_row_tile)
-              for kind, n in (("qkv", nqkv), ("o", h), ("gate_up", 2 * inter), ("down", h))}
-        descs = [st.desc(kind, tile, self.block_k) if gm >= 2 else None for kind, tile in bn.items()]
+        bn = {kind: row_tile(n, progs) for kind, n in (("qkv", nqkv), ("o", h), ("gate_up", 2 * inter), ("down", h))}
         args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
                 meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
                 rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
-                st.qkv, st.o, st.gate_up, st.down, *descs, st.norms, m.model.norm.weight, gate.weight, gate.bias,
+                st.qkv, st.o, st.gate_up, st.down, st.norms, m.model.norm.weight, gate.weight, gate.bias,
                 xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, bb * h, count, times,
                 t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
         consts = dict(
@@ -264,27 +222,24 @@ class OuroFusedLoop:
             BLOCK_B=bb, BLOCK_H=triton.next_power_of_2(h), BLOCK_G=block_g,
             BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
             BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
-            PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, PREFETCH=self.prefetch_kib > 0 and not INTERPRET,
-            NEXT_BYTES=max(self.prefetch_kib, 1) * 1024, GEMV_MODE=gm, STAGES=self.num_stages, W_AHEAD=self.w_ahead,
-            OWN_PREFETCH=self.prefetch_own and not INTERPRET,
-            TIMING=times is not None, INTERPRET=INTERPRET, num_warps=self.num_warps, num_stages=self.num_stages)
+            PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, TIMING=times is not None,
+            num_warps=self.num_warps, num_stages=_NUM_STAGES)
         return args, consts, (out, rem_out, score)
 
     def _resident_grid(self, rows: int, dev: torch.device, compile_for) -> int:
-        """The barrier's grid: `num_programs`, or up to `programs_per_sm` per SM — but only as
-        many as the compiled kernel's registers, shared memory and threads let the GPU hold at
-        once (a program that cannot be resident would leave the others spinning forever)."""
+        """The barrier's grid: `num_programs`, or one program per SM — if the compiled kernel's
+        registers, shared memory and threads let the GPU hold them all at once (a program that
+        cannot be resident would leave the others spinning forever)."""
         if rows in self._grids:
             return self._grids[rows]
         sms = _num_sms(dev)
-        wants = [self.num_programs] if self.num_programs else [p * sms for p in range(self.programs_per_sm, 0, -1)]
-        for progs in wants:
-            fits = sms * resident_per_sm(compile_for(progs), self.num_warps, dev)
-            if progs <= fits:
-                self._grids[rows] = progs
-                return progs
-        raise RuntimeError(f"the fused loop kernel's {wants[-1]} programs do not fit on the GPU at once "
-                           f"({fits} do): lower num_warps or block_k")
+        progs = self.num_programs or sms
+        fits = sms * resident_per_sm(compile_for(progs), self.num_warps, dev)
+        if progs > fits:
+            raise RuntimeError(f"the fused loop kernel's {progs} programs do not fit on the GPU at once "
+                               f"({fits} do): lower num_warps or block_k")
+        self._grids[rows] = progs
+        return progs
 
 
 def resident_per_sm(kernel, num_warps: int, dev: torch.device) -> int:
@@ -292,7 +247,7 @@ def resident_per_sm(kernel, num_warps: int, dev: torch.device) -> int:
     warp in units of 256)."""
     kernel._init_handles()
     props = torch.cuda.get_device_properties(dev)
-    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    regs_per_warp = cdiv(kernel.n_regs * 32, 256) * 256
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(regs_per_warp * num_warps, 1)
     by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // max(kernel.metadata.shared, 1)
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)

@@ -8,7 +8,7 @@ concurrent reads can be slower than concurrent puts there (openucx/ucx#7566), so
 differ. `--device cpu` runs the same on DRAM over UCX tcp/cma (the sandbox's check that the
 script works; its figures are not the GPU's).
 
-Usage (from the repository root): python benchmarks/nixl_split_gpu.py [--device cuda]
+Usage (from the repository root): python benchmarks/experiments/nixl_split_gpu.py [--device cuda]
        [--blocks 512,2048] [--splits 1,2,4,8,16] [--ops READ,WRITE] [--reps 5]
 """
 

@@ -6,7 +6,7 @@ graph, launch gaps included). Calls cycle through 4 copies of the weight (more t
 The shapes are ouro-1.4b-shape's merged decode projections: q/k/v, o, gate/up, down. It
 answers whether a hand-written GEMV would close the batch-1 decode gap (it does not).
 
-Usage: python benchmarks/gemv_gpu.py
+Usage (from the repository root): PYTHONPATH=. python benchmarks/experiments/gemv_gpu.py
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from benchmarks.fused_loop_gpu import graph_time
 
 SHAPES = ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N out, K in)
 CONFIGS = [(bn, bk, w) for bn in (8, 16, 32) for bk in (256, 512) for w in (4, 8)]
@@ -42,25 +44,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bn: int, bk: int, wa
     n = w.shape[0]
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, BM=triton.next_power_of_2(m), BN=bn, BK=bk,
                                         num_warps=warps)
-
-
-def graph_time(fn, calls: int = 50, replays: int = 5) -> float:
-    """Seconds per call, from CUDA-graph replays of `calls` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3 / (replays * calls)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ copies: a few µs) count as idle, so it is an upper bound.
 With `--defer-readback off` the host reads each sample before it launches the token's next
 PRELUDE (the engine before defer_readback); the split of that gap is printed then.
 
-Usage: python benchmarks/decode_bubble_gpu.py [--tokens 40] [--batch 1] [--fused-loop auto|off]
+Usage: python benchmarks/experiments/decode_bubble_gpu.py [--tokens 40] [--batch 1] [--fused-loop auto|off]
        [--defer-readback on|off]
 """
 

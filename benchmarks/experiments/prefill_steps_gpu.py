@@ -6,7 +6,7 @@ GPU-busy time is the other side: `python benchmarks/gpu_h200.py --parts p`).
 `--unfused-rope` rotates q and k with the compiled torch kernels and writes K/V unrotated,
 as before RoPE was fused into the Triton slot write, for an A/B in one sitting.
 
-Usage: python benchmarks/prefill_steps_gpu.py [--unfused-rope] [--runs 6]
+Usage (from the repository root): PYTHONPATH=. python benchmarks/experiments/prefill_steps_gpu.py [--unfused-rope] [--runs 6]
 """
 
 from __future__ import annotations
