@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Set
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from loopserve.kv_cache import KVCacheManager, KVCapacityError
 from loopserve.scheduler.batch import (
@@ -24,7 +26,6 @@ from loopserve.scheduler.batch import (
 )
 from loopserve.scheduler.config import SchedulerConfig
 from loopserve.scheduler.errors import QueueFullError
-from loopserve.scheduler.invariants import check_invariants
 from loopserve.scheduler.policy import CohortGate, Plan, order_plans
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan
@@ -36,6 +37,18 @@ S = RequestStatus
 _request_id = operator.attrgetter("request_id")
 ADMISSION_SCAN = 64  # waiting requests looked at per step
 ADMISSION_BYPASS = 8  # how many may be admitted past a blocked one (so big requests still get in)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """The bookkeeping behind the public attributes, read-only, for checks from outside
+    (invariants.py); valid until the scheduler's next call."""
+
+    requests: Mapping[str, RequestState]  # every request not yet forgotten
+    inflight: tuple[ScheduledBatch, ...]
+    landed: Set[str]  # RECEIVING requests whose KV landed, waiting for a slot
+    status_counts: Mapping[RequestStatus, int]  # kept incrementally
+    live_cohort_rows: int | None  # rows the no_refill cohort gate counts; None without a gate
 
 
 class Scheduler:
@@ -509,6 +522,8 @@ class Scheduler:
             "pending": {f"{k.value}/{o.value}": len(q) for (k, o), q in self.queues.lanes.items() if len(q)},
         }
 
-    def assert_invariants(self) -> None:
-        """The bookkeeping invariants (tests call this after every step); see invariants.py."""
-        check_invariants(self)
+    def view(self) -> SchedulerView:
+        """What a check from outside reads, without reaching into private fields."""
+        return SchedulerView(MappingProxyType(self._reqs), tuple(self._inflight.values()),
+                             self._landed.keys(), MappingProxyType(self._counts),
+                             self._gate.num_live() if self._gate is not None else None)

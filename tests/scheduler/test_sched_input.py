@@ -16,6 +16,7 @@ from loopserve.scheduler import (
     SpecConfig,
     WorkKey,
 )
+from loopserve.scheduler.invariants import check_invariants
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
 from loopserve.scheduler.request import RequestState
 from tests.scheduler.helpers import make_scheduler
@@ -83,7 +84,7 @@ def test_add_request_rejects_duplicates_impossible_requests_and_overflow():
     with pytest.raises(QueueFullError, match="max_waiting=2"):
         s.add_request(SchedRequest("c", 2, 2, 1, 2))
     assert s.stats()["num_waiting"] == 2
-    s.assert_invariants()
+    check_invariants(s)
 
 
 def st(rid, rank=0):
