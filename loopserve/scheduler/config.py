@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("refill", "no_refill", "priority", "mixed")
+from loopserve.scheduler.policy import POLICIES
+
 PREEMPTION_MODES = ("keep", "offload")
 ROLES = ("colocated", "prefill", "decode")
 
@@ -49,7 +50,7 @@ class SchedulerConfig:
         _need_int("max_num_seqs", self.max_num_seqs, 1)
         _need_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _need_int("max_waiting", self.max_waiting, 1)
-        _need_choice("policy", self.policy, POLICIES)
+        _need_choice("policy", self.policy, tuple(POLICIES))
         _need_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _need_choice("role", self.role, ROLES)
         if self.prefill_chunk_size is not None:
@@ -65,13 +66,14 @@ class SchedulerConfig:
                 )
         elif self.split_prefill:
             object.__setattr__(self, "prefill_chunk_size", min(256, self.max_num_batched_tokens))
-        if self.policy == "mixed" and not self.split_prefill:
-            raise ValueError("policy='mixed' requires split_prefill=True (got split_prefill=False)")
+        policy = POLICIES[self.policy]
+        if policy.needs_split_prefill and not self.split_prefill:
+            raise ValueError(f"policy={self.policy!r} requires split_prefill=True (got split_prefill=False)")
         if self.speculative is not None:
             if not isinstance(self.speculative, SpecConfig):
                 raise ValueError(f"speculative must be a SpecConfig or None, got {self.speculative!r}")
-            if self.policy == "mixed":
+            if not policy.supports_speculation:
                 raise ValueError(
-                    "speculative decoding is not supported with policy='mixed' "
+                    f"speculative decoding is not supported with policy={self.policy!r} "
                     "(set speculative=None or choose another policy)"
                 )

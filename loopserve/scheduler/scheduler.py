@@ -26,7 +26,7 @@ from loopserve.scheduler.batch import (
 )
 from loopserve.scheduler.config import SchedulerConfig
 from loopserve.scheduler.errors import QueueFullError
-from loopserve.scheduler.policy import CohortGate, Plan, order_plans
+from loopserve.scheduler.policy import POLICIES, Plan
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
@@ -66,7 +66,8 @@ class Scheduler:
         self._reqs: dict[str, RequestState] = {}
         self._landed: dict[str, RequestState] = {}  # RECEIVING with KV landed, FIFO
         self._inflight: dict[int, ScheduledBatch] = {}
-        self._gate = CohortGate() if config.policy == "no_refill" else None
+        self.policy = POLICIES[config.policy]()
+        self._gate = self.policy.cohort_gate()
         self._served: dict[Plan, int] = {}
         self._counts = {s: 0 for s in S}
         self._seq = itertools.count()
@@ -191,8 +192,7 @@ class Scheduler:
         return req.prompt_len if self.config.role == "prefill" else req.prompt_len + req.max_tokens
 
     def _new_state(self, req: SchedRequest, status: RequestStatus) -> RequestState:
-        rank = req.priority if self.config.policy == "priority" else 0
-        st = RequestState(req, next(self._seq), rank, status)
+        st = RequestState(req, next(self._seq), self.policy.rank(req), status)
         self._reqs[req.request_id] = st
         self._counts[status] += 1
         return st
@@ -349,7 +349,7 @@ class Scheduler:
             self.activate_request(next(iter(self._landed)))
         if not self.waiting:
             return
-        can_preempt = cfg.policy == "priority"
+        can_preempt = self.policy.preempts
         bypass_left: int | None = None
         for st in list(itertools.islice(self.waiting, ADMISSION_SCAN)):
             need_slot = len(slots) >= cfg.max_num_seqs
@@ -408,7 +408,7 @@ class Scheduler:
                    admission: bool) -> bool:
         """Preempt victims ranked below `st` so it gets a slot and/or `short` blocks.
 
-        Admission (priority policy) takes strictly lower-priority victims; KV growth takes
+        Admission (a policy that preempts) takes strictly lower-ranked victims; KV growth takes
         any resident request ranked below (priority, then arrival). A slot victim yields per
         preemption_mode; victims whose blocks are needed are offloaded.
         """
@@ -455,7 +455,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batch forming
     def _form_batch(self) -> ScheduledBatch | None:
-        for plan_ in order_plans(self.config.policy, self.queues, self._served):
+        for plan_ in self.policy.order_plans(self.queues, self._served):
             batch = self._fill(plan_)
             if batch is not None:
                 self._served[plan_] = self._tick

@@ -17,6 +17,7 @@ from loopserve.scheduler import (
     WorkKey,
 )
 from loopserve.scheduler.invariants import check_invariants
+from loopserve.scheduler.policy import POLICIES
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
 from loopserve.scheduler.request import RequestState
 from tests.scheduler.helpers import make_scheduler
@@ -40,6 +41,13 @@ def test_bad_configs_fail_at_construction_naming_the_fields(kw, fields):
         SchedulerConfig(**kw)
     for f in fields:
         assert f in str(e.value)
+
+
+def test_unknown_policy_names_the_field_and_every_registered_policy():
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(policy="fifo")
+    msg = str(e.value)
+    assert "policy" in msg and "'fifo'" in msg and all(name in msg for name in POLICIES), msg
 
 
 def test_spec_config_and_defaults():

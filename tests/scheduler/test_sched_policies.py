@@ -5,10 +5,15 @@ import pytest
 
 from loopserve.scheduler import Operation, WorkKey
 from loopserve.scheduler.invariants import check_invariants
+from loopserve.scheduler.policy import POLICIES
 from loopserve.scheduler.types import FIXED_OPERATION
 from tests.scheduler.helpers import POLICY_CONFIGS, add, engine_for
 
 K = WorkKey
+
+
+def test_every_registered_policy_has_a_config_the_policy_tests_run():
+    assert {c.get("policy", "refill") for c in POLICY_CONFIGS.values()} == set(POLICIES)
 
 
 @pytest.mark.parametrize("cfg", list(POLICY_CONFIGS))
