@@ -7,7 +7,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import EngineConfig, merge_engine_data
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.outputs import CompletionOutput, RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
@@ -24,8 +24,7 @@ def make_config(config: EngineConfig | dict | str | Path | None = None, **overri
         data = data.get("engine", data)
     else:
         data = dict(config or {})
-    data.update(overrides)
-    return EngineConfig(**data)
+    return EngineConfig(**merge_engine_data(data, overrides))
 
 
 class LLM:

@@ -13,7 +13,7 @@ from loopserve.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedRequest,
-    SpecConfig,
+    SpeculativeConfig,
     WorkKey,
 )
 from loopserve.scheduler.invariants import check_invariants
@@ -30,8 +30,10 @@ from tests.scheduler.helpers import make_scheduler
      ["prefill_chunk_size (64)", "max_num_batched_tokens (32)"]),
     (dict(prefill_chunk_size=8), ["prefill_chunk_size", "split_prefill"]),
     (dict(policy="mixed"), ["policy='mixed'", "split_prefill"]),
-    (dict(policy="mixed", split_prefill=True, speculative=SpecConfig()), ["speculative", "mixed"]),
+    (dict(policy="mixed", split_prefill=True, speculative=SpeculativeConfig()), ["speculative", "mixed"]),
     (dict(policy="fifo"), ["policy", "refill", "fifo"]),
+    (dict(speculative=SpeculativeConfig(num_draft_tokens=8), max_num_batched_tokens=4),
+     ["speculative.num_draft_tokens (8)", "max_num_batched_tokens (4)"]),
     (dict(preemption_mode="swap"), ["preemption_mode"]),
     (dict(role="router"), ["role"]),
     (dict(max_waiting=0), ["max_waiting"]),
@@ -52,9 +54,11 @@ def test_unknown_policy_names_the_field_and_every_registered_policy():
 
 def test_spec_config_and_defaults():
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpecConfig(num_draft_tokens=0)
+        SpeculativeConfig(num_draft_tokens=0)
     with pytest.raises(ValueError, match="draft_loops"):
-        SpecConfig(draft_loops=0)
+        SpeculativeConfig(draft_loops=0)
+    with pytest.raises(ValueError, match=r"num_draft_tokens\n.*less than or equal to 16"):
+        SpeculativeConfig(num_draft_tokens=17)
     assert SchedulerConfig(split_prefill=True, max_num_batched_tokens=100).prefill_chunk_size == 100
     assert SchedulerConfig(split_prefill=True).prefill_chunk_size == 256
 
