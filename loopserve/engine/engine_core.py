@@ -116,19 +116,13 @@ class EngineCore:
             )
         d = self.model.default_loop_params
         params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.max_loops)
-        planes = self.model.kv_planes(params.max_loops)
-        if not self.kv_manager.can_ever_fit(len(ids) + params.max_tokens, planes):
-            need = self.kv_manager.blocks_needed(len(ids) + params.max_tokens, planes)
-            raise ValueError(
-                f"request needs {need[0]} KV blocks ({len(ids)} + {params.max_tokens} tokens x "
-                f"{params.max_loops} loops), more than num_blocks ({self.layout.num_blocks})"
-            )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
                       eos_token_id=self.tokenizer.eos_token_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.scheduler.add_request(self._sched_request(req))  # may raise QueueFullError
+        # KVCapacityError if it can never fit, QueueFullError beyond max_waiting
+        self.scheduler.add_request(self._sched_request(req))
         self.requests[rid] = req
         self.counters.prompt_tokens += len(ids)
         return rid

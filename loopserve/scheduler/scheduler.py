@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from loopserve.kv_cache import KVCacheManager, KVCapacityError
+from loopserve.kv_cache import KVCacheManager
 from loopserve.scheduler.batch import (
     BatchResult,
     ScheduledBatch,
@@ -178,14 +178,7 @@ class Scheduler:
             raise ValueError(f"expected a SchedRequest, got {type(req).__name__}")
         if req.request_id in self._reqs:
             raise ValueError(f"request_id {req.request_id!r} is already scheduled")
-        tokens = self._lifetime_tokens(req)
-        if not self.kv.can_ever_fit(tokens, req.planes):
-            looped, flat = self.kv.blocks_needed(tokens, req.planes)
-            raise KVCapacityError(
-                f"request {req.request_id!r} needs {looped} looped and {flat} flat KV blocks "
-                f"({tokens} tokens x {req.planes} KV planes); the pools hold "
-                f"{self.kv.looped.num_blocks} looped and {self.kv.flat.num_blocks} flat blocks"
-            )
+        self.kv.check_fits(req.request_id, self._lifetime_tokens(req), req.planes)
 
     def _lifetime_tokens(self, req: SchedRequest) -> int:
         """Full reservation: the prompt plus every output token (a prefill engine only the prompt)."""

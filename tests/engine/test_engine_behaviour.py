@@ -83,6 +83,17 @@ def test_bad_input_names_the_field_and_engine_keeps_serving(prompt, kw, field):
     assert len(outs["ok"]) == 4
 
 
+def test_a_request_that_can_never_fit_names_the_pool_setting_and_its_size():
+    """The scheduler's admission checks it, for the blocks the role holds: a prefill engine
+    only the prompt's, every other engine the prompt's and every output token's."""
+    params = SamplingParams(max_tokens=40, max_loops=4, ignore_eos=True)
+    e = make_engine("tiny-ouro", num_blocks=16)
+    with pytest.raises(ValueError, match=r"'big' needs 48 looped KV blocks .*more than num_blocks \(16\)"):
+        e.add_request([1] * 8, params, request_id="big")
+    assert not e.has_unfinished()
+    make_engine("tiny-ouro", num_blocks=16, role="prefill").add_request([1] * 8, params, request_id="big")
+
+
 def test_abort_unknown_request_id():
     e = make_engine("tiny-ouro")
     with pytest.raises(ValueError, match="unknown request_id"):
