@@ -113,6 +113,7 @@ POLICIES: dict[str, type[Policy]] = {}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
+    """Make `cls` selectable by its name (SchedulerConfig.policy)."""
     POLICIES[cls.name] = cls
     return cls
 
