@@ -50,7 +50,7 @@ ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, "num_blocks"
 def check_lengths_exceed_capacities() -> None:
     assert LONG_PROMPTS[0] > SLAB_ROWS, "the shortest long prompt must outgrow the state slab"
     assert LONG_PROMPTS[1] > DEFAULTS.max_model_len
-    assert LONG_PROMPTS[2] > DEFAULTS.max_num_batched_tokens
+    assert LONG_PROMPTS[2] > DEFAULTS.scheduler.max_num_batched_tokens
     assert LONG_PROMPTS[2] > 16 * MIN_CONTEXT_BUCKET  # several context buckets up
     max_loops = 4  # the tiny models' depth: one plane of blocks per depth
     assert cdiv(LONG_PROMPTS[2] + LONG_TOKENS, DEFAULTS.block_size) * max_loops > DEFAULTS.num_blocks

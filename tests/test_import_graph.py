@@ -111,6 +111,17 @@ def test_model_imports_neither_scheduler_nor_engine():
     assert _offending("loopserve.model", ("loopserve.scheduler", "loopserve.engine")) == []
 
 
+def test_scheduler_invariants_import_one_way():
+    """The checker reads the scheduler (its public view); nothing in loopserve/ imports the
+    checker, at module level or deferred (tests call it)."""
+    assert "loopserve.scheduler.scheduler" in GRAPH["loopserve.scheduler.invariants"]
+    checker = "loopserve.scheduler.invariants"
+    deferred = sorted(m for m, path in MODULES.items() if m != checker
+                      for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                      if isinstance(node, (ast.Import, ast.ImportFrom)) and checker in _targets(m, node))
+    assert _offending("loopserve", (checker,)) == [] and deferred == []
+
+
 def test_no_import_cycle():
     """Depth-first search; reports the first cycle found as a path."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from loopserve.cluster.limits import RequestLimits
 from loopserve.config_file import ConfigError, describe, read_yaml
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
@@ -121,7 +121,7 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
-        if "role" in self.engine.model_fields_set:
+        if "role" in self.engine.scheduler.model_fields_set:
             raise ValueError("engine.role is set by the worker group; remove it")
         for role in ROLES_BY_MODE[self.mode]:
             if getattr(self, role).num_workers < 1:
@@ -138,10 +138,11 @@ class ClusterConfig(_Strict):
     def engine_config(self, role: str) -> EngineConfig:
         """The shared engine config with the group's overrides, for `role`."""
         overrides = self.group(role).engine
-        if "role" in overrides:
+        if "role" in given_scheduler_keys(overrides):
             raise ValueError(f"{role}.engine.role is set by the worker group; remove it")
+        base = self.engine.model_dump(exclude={"scheduler": {"role"}})
         try:
-            return EngineConfig(**{**self.engine.model_dump(exclude={"role"}), **overrides, "role": role})
+            return EngineConfig(**merge_engine_data(base, {**overrides, "role": role}))
         except ValidationError as e:
             raise ValueError(describe(e, f"{role}.engine: ")) from None
 

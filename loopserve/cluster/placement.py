@@ -45,7 +45,7 @@ def plan(config: ClusterConfig) -> list[WorkerSpec]:
     specs = []
     for role in config.roles():
         g = config.group(role)
-        engine = config.engine_config(role).model_dump(exclude={"role"})
+        engine = config.engine_config(role).model_dump(exclude={"scheduler": {"role"}})
         # Each worker's torch uses its own CPUs only (as Ray does for actors): workers of one
         # machine would otherwise each start a thread per core and thrash.
         threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(g.num_cpus))))}

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loopserve.scheduler.config import SchedulerConfig
 
-class SpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    num_draft_tokens: int = Field(3, ge=1, le=16)
-    draft_loops: int = Field(1, ge=1)
-
+# Scheduler keys an engine config may also give flat (YAML `engine:` sections, keyword
+# arguments): every SchedulerConfig field but the model's coda_writes_kv.
+SCHEDULER_KEYS = frozenset(SchedulerConfig.model_fields) - {"coda_writes_kv"}
 
 # The GPU paths that are off by default (see EngineConfig): the settings that turn them all on,
 # as the GPU tests, the GPU benchmarks and scripts/gpu_check.sh run them.
@@ -32,14 +32,7 @@ class EngineConfig(BaseModel):
     num_blocks: int = Field(512, ge=1)
     num_flat_blocks: int | None = Field(None, ge=1)  # default: num_blocks // max_loops + 1
     max_model_len: int = Field(1024, ge=2)
-    max_num_seqs: int = Field(32, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    policy: Literal["refill", "no_refill", "priority", "mixed"] = "refill"
-    split_prefill: bool = False
-    prefill_chunk_size: int | None = Field(None, ge=1)
-    incremental_kv: bool = False
-    preemption_mode: Literal["keep", "offload"] = "keep"
-    speculative: SpeculativeConfig | None = None
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     async_scheduling: bool = False
     # GPU paths below are off by default until scripts/gpu_check.sh has passed with them on, on
     # a GPU, at a commit recorded in docs/benchmarks.md (GPU_FEATURES turns them all on).
@@ -48,8 +41,6 @@ class EngineConfig(BaseModel):
     # loop). A stop token is then seen one PRELUDE late (its work is dropped). No effect with
     # role='prefill'.
     defer_readback: bool = False
-    role: Literal["colocated", "prefill", "decode"] = "colocated"
-    max_waiting: int = Field(4096, ge=1)
     cuda_graphs: bool = False  # on CUDA with the Triton backend: decode steps replay graphs
     fuse_elementwise: bool = True  # on CUDA: torch.compile norms, RoPE, SwiGLU (one kernel each)
     # Ouro decode batches of up to fused_loop_rows rows: each loop is one persistent kernel
@@ -58,15 +49,43 @@ class EngineConfig(BaseModel):
     fused_loop: Literal["auto", "on", "off"] = "off"
     fused_loop_rows: int = Field(1, ge=1, le=64)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any) -> Any:
+        return nest_scheduler_keys(data) if isinstance(data, Mapping) else data
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if self.split_prefill and self.prefill_chunk_size is None:
-            self.prefill_chunk_size = min(256, self.max_num_batched_tokens)
-        # A verify round runs its num_draft_tokens rows in one batch; more never fit and the
-        # request would wait forever.
-        if self.speculative and self.speculative.num_draft_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"speculative.num_draft_tokens ({self.speculative.num_draft_tokens}) must be <= "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
-            )
+        if "coda_writes_kv" in self.scheduler.model_fields_set:
+            raise ValueError("scheduler.coda_writes_kv comes from the model; remove it")
         return self
+
+
+def nest_scheduler_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine config data with its flat scheduler keys moved into `scheduler`, over what that
+    holds (left as they are when `scheduler` is no mapping: validation names both)."""
+    flat = {k: v for k, v in data.items() if k in SCHEDULER_KEYS}
+    nested = data.get("scheduler", {})
+    if isinstance(nested, SchedulerConfig):
+        nested = nested.model_dump(exclude_unset=True)
+    if not isinstance(nested, Mapping):
+        return dict(data)
+    out = {k: v for k, v in data.items() if k not in SCHEDULER_KEYS}
+    if flat or "scheduler" in data:
+        out["scheduler"] = {**nested, **flat}
+    return out
+
+
+def merge_engine_data(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`overrides` over `base` (engine config data, flat or nested); scheduler keys one by one."""
+    base, overrides = nest_scheduler_keys(base), nest_scheduler_keys(overrides)
+    merged = {**base, **overrides}
+    if isinstance(base.get("scheduler"), Mapping) and isinstance(overrides.get("scheduler"), Mapping):
+        merged["scheduler"] = {**base["scheduler"], **overrides["scheduler"]}
+    return merged
+
+
+def given_scheduler_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The scheduler keys engine config data gives, flat or nested."""
+    nested = nest_scheduler_keys(data).get("scheduler", {})
+    return nested if isinstance(nested, Mapping) else {}

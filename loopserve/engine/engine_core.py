@@ -33,10 +33,8 @@ from loopserve.scheduler import (
     ItemResult,
     Operation,
     Scheduler,
-    SchedulerConfig,
     SchedRequest,
     ScheduledBatch,
-    SpecConfig,
 )
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,8 @@ class EngineCore:
         )
         self.tokenizer = load_tokenizer(tokenizer_file(config.tokenizer, config.model),
                                         vocab_size=self.model.vocab_size)
-        if getattr(self.model, "last_loop_kv", False) and (config.split_prefill or config.speculative):
+        sc = config.scheduler
+        if getattr(self.model, "last_loop_kv", False) and (sc.split_prefill or sc.speculative):
             # Within one piece, loop d of a token reads the earlier tokens' loop-d K/V; the
             # reference semantics (transformers) give them the last loop's K/V instead.
             raise ValueError("split_prefill and speculative decoding are not supported for a model "
@@ -68,24 +67,9 @@ class EngineCore:
         has_flat = spec.num_flat_layers > 0
         num_flat = (config.num_flat_blocks or config.num_blocks // self.max_loops + 1) if has_flat else 0
         self.layout = KVLayout(config.block_size, config.num_blocks, num_flat, has_flat)
-        self.kv_manager = KVCacheManager(self.layout, incremental=config.incremental_kv)
-        sc = config.speculative
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                policy=config.policy,
-                split_prefill=config.split_prefill,
-                prefill_chunk_size=config.prefill_chunk_size,
-                incremental_kv=config.incremental_kv,
-                preemption_mode=config.preemption_mode,
-                speculative=SpecConfig(sc.num_draft_tokens, sc.draft_loops) if sc else None,
-                role=config.role,
-                coda_writes_kv=self.model.coda_writes_kv,
-                max_waiting=config.max_waiting,
-            ),
-            self.kv_manager,
-        )
+        self.kv_manager = KVCacheManager(self.layout, incremental=sc.incremental_kv)
+        self.scheduler = Scheduler(sc.model_copy(update={"coda_writes_kv": self.model.coda_writes_kv}),
+                                   self.kv_manager)
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
         if config.fuse_elementwise and self.device.type == "cuda":
             fuse_elementwise()
@@ -93,7 +77,7 @@ class EngineCore:
         if not self.model.use_fused_loop(config.fused_loop_rows if fused else 0) and config.fused_loop == "on":
             raise ValueError(f"fused_loop='on': model {config.model!r} has no fused loop kernel (Ouro has)")
         if config.cuda_graphs and self.device.type == "cuda":
-            self.runner.use_graphs(config.max_num_seqs, cdiv(config.max_model_len, config.block_size),
+            self.runner.use_graphs(sc.max_num_seqs, cdiv(config.max_model_len, config.block_size),
                                    capture=True)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
@@ -104,7 +88,7 @@ class EngineCore:
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._handoffs: list[HandoffMessage] = []
         # A prefill engine hands its request over right after the CODA: nothing to overlap.
-        self._defer = config.defer_readback and config.role != "prefill"
+        self._defer = config.defer_readback and sc.role != "prefill"
         self._unread = UnreadSamples()
         self.error: str | None = None  # why the engine failed (see fail); None while it serves
 
@@ -134,19 +118,13 @@ class EngineCore:
             )
         d = self.model.default_loop_params
         params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.max_loops)
-        planes = self.model.kv_planes(params.max_loops)
-        if not self.kv_manager.can_ever_fit(len(ids) + params.max_tokens, planes):
-            need = self.kv_manager.blocks_needed(len(ids) + params.max_tokens, planes)
-            raise ValueError(
-                f"request needs {need[0]} KV blocks ({len(ids)} + {params.max_tokens} tokens x "
-                f"{params.max_loops} loops), more than num_blocks ({self.layout.num_blocks})"
-            )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
                       eos_token_id=self.tokenizer.eos_token_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.scheduler.add_request(self._sched_request(req))  # may raise QueueFullError
+        # KVCapacityError if it can never fit, QueueFullError beyond max_waiting
+        self.scheduler.add_request(self._sched_request(req))
         self.requests[rid] = req
         self.counters.prompt_tokens += len(ids)
         return rid
@@ -368,7 +346,8 @@ class EngineCore:
         return BatchResult(results), unread
 
     def _draft_loops(self) -> int:
-        return self.config.speculative.draft_loops if self.config.speculative else 0
+        spec = self.config.scheduler.speculative
+        return spec.draft_loops if spec else 0
 
     def _sample(self, items: list[BatchItem], reqs: dict[str, Request],
                 logits: dict[str, torch.Tensor | None]) -> tuple[dict[str, ItemResult], UnreadBatch | None]:

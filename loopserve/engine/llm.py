@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from loopserve.config_file import ConfigError, describe, read_yaml
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import EngineConfig, merge_engine_data
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.outputs import CompletionOutput, RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
@@ -27,9 +27,8 @@ def make_config(config: EngineConfig | dict | str | Path | None = None, **overri
         data = data.get("engine", data)
     else:
         data = dict(config or {})
-    data.update(overrides)
     try:
-        return EngineConfig(**data)
+        return EngineConfig(**merge_engine_data(data, overrides))
     except ValidationError as e:
         raise ConfigError(describe(e, where)) from None
 

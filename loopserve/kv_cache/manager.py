@@ -52,24 +52,26 @@ class KVCacheManager:
         n = cdiv(num_tokens, self.layout.block_size)
         return n * num_planes, (n if self.layout.has_flat else 0)
 
-    def can_ever_fit(self, num_tokens: int, num_planes: int) -> bool:
+    def check_fits(self, request_id: str, num_tokens: int, num_planes: int) -> None:
+        """KVCapacityError naming the pool setting (num_blocks, num_flat_blocks) and its size
+        when the request can never fit, however many others finish."""
         looped, flat = self.blocks_needed(num_tokens, num_planes)
-        return looped <= self.looped.num_blocks and flat <= self.flat.num_blocks
+        over = []
+        if looped > self.looped.num_blocks:
+            over.append(f"{looped} looped KV blocks ({num_tokens} tokens x {num_planes} KV planes), "
+                        f"more than num_blocks ({self.looped.num_blocks})")
+        if flat > self.flat.num_blocks:
+            over.append(f"{flat} flat KV blocks ({num_tokens} tokens), more than num_flat_blocks "
+                        f"({self.flat.num_blocks})")
+        if over:
+            raise KVCapacityError(f"request {request_id!r} needs {' and '.join(over)}; "
+                                  f"block_size {self.layout.block_size}")
 
     def allocate(self, request_id: str, num_tokens: int, num_planes: int) -> bool:
         """Grow `request_id`'s planes to cover `num_tokens` positions; False if blocks are short now."""
         if num_planes < 1:
             raise ValueError(f"num_planes must be >= 1, got {num_planes}")
-        if not self.can_ever_fit(num_tokens, num_planes):
-            looped, flat = self.blocks_needed(num_tokens, num_planes)
-            raise KVCapacityError(
-                f"request {request_id!r} needs {looped} looped blocks"
-                + (f" and {flat} flat blocks" if self.layout.has_flat else "")
-                + f" ({num_tokens} tokens x {num_planes} loop planes, block_size "
-                f"{self.layout.block_size}); the pools hold {self.looped.num_blocks} looped"
-                + (f" and {self.flat.num_blocks} flat" if self.layout.has_flat else "")
-                + " blocks"
-            )
+        self.check_fits(request_id, num_tokens, num_planes)
         table = self._tables.get(request_id)
         if table is not None:
             if table.num_planes != num_planes:

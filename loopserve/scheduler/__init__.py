@@ -8,7 +8,7 @@ from loopserve.scheduler.batch import (
     SchedulerOutput,
     UpdateEvents,
 )
-from loopserve.scheduler.config import SchedulerConfig, SpecConfig
+from loopserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from loopserve.scheduler.errors import DuplicateSelectionError, QueueFullError
 from loopserve.scheduler.request import RequestState, SchedRequest
 from loopserve.scheduler.scheduler import Scheduler
@@ -17,5 +17,5 @@ from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 __all__ = [
     "BatchItem", "BatchResult", "DuplicateSelectionError", "ItemResult", "Operation",
     "QueueFullError", "RequestState", "RequestStatus", "ScheduledBatch", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SchedRequest", "SpecConfig", "UpdateEvents", "WorkKey",
+    "SchedulerConfig", "SchedulerOutput", "SchedRequest", "SpeculativeConfig", "UpdateEvents", "WorkKey",
 ]

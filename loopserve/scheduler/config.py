@@ -1,77 +1,76 @@
-"""Scheduler configuration, validated at construction so a bad combination never schedules."""
+"""Scheduler configuration, validated at construction so a bad combination never schedules.
+
+EngineConfig embeds SchedulerConfig as `scheduler`; these defaults are the engine's.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
-POLICIES = ("refill", "no_refill", "priority", "mixed")
-PREEMPTION_MODES = ("keep", "offload")
-ROLES = ("colocated", "prefill", "decode")
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-def _need_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+from loopserve.scheduler.policy import POLICIES
 
 
-def _need_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig(_Frozen):
     """Self-speculation by depth: draft `num_draft_tokens` at `draft_loops`, verify at full depth."""
 
-    num_draft_tokens: int = 3
-    draft_loops: int = 1
-
-    def __post_init__(self) -> None:
-        _need_int("speculative.num_draft_tokens", self.num_draft_tokens, 1)
-        _need_int("speculative.draft_loops", self.draft_loops, 1)
+    num_draft_tokens: int = Field(3, ge=1, le=16)
+    draft_loops: int = Field(1, ge=1)
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    policy: str = "refill"
+class SchedulerConfig(_Frozen):
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    policy: str = "refill"  # a name in policy.POLICIES
     split_prefill: bool = False
-    prefill_chunk_size: int | None = None  # split prefill default: min(256, max_num_batched_tokens)
+    prefill_chunk_size: int | None = Field(None, ge=1)  # split prefill default: min(256, max_num_batched_tokens)
     incremental_kv: bool = False
-    preemption_mode: str = "keep"  # how priority victims yield their slot
-    speculative: SpecConfig | None = None
-    role: str = "colocated"
-    coda_writes_kv: bool = True  # Huginn: every prompt chunk needs a CODA; Ouro: only the last
-    max_waiting: int = 4096
+    preemption_mode: Literal["keep", "offload"] = "keep"  # how priority victims yield their slot
+    speculative: SpeculativeConfig | None = None
+    role: Literal["colocated", "prefill", "decode"] = "colocated"
+    # Huginn: every prompt chunk needs a CODA; Ouro: only the last. A fact of the model that
+    # the engine fills in, not a setting: no dump carries it.
+    coda_writes_kv: bool = Field(True, exclude=True)
+    max_waiting: int = Field(4096, ge=1)
 
-    def __post_init__(self) -> None:
-        _need_int("max_num_seqs", self.max_num_seqs, 1)
-        _need_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _need_int("max_waiting", self.max_waiting, 1)
-        _need_choice("policy", self.policy, POLICIES)
-        _need_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _need_choice("role", self.role, ROLES)
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        return policy
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
         if self.prefill_chunk_size is not None:
             if not self.split_prefill:
-                raise ValueError(
-                    f"prefill_chunk_size={self.prefill_chunk_size} needs split_prefill=True"
-                )
-            _need_int("prefill_chunk_size", self.prefill_chunk_size, 1)
+                raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} needs split_prefill=True")
             if self.prefill_chunk_size > self.max_num_batched_tokens:
                 raise ValueError(
                     f"prefill_chunk_size ({self.prefill_chunk_size}) must be <= "
                     f"max_num_batched_tokens ({self.max_num_batched_tokens})"
                 )
-        elif self.split_prefill:
+        elif self.split_prefill:  # frozen: the computed default is set once, here
             object.__setattr__(self, "prefill_chunk_size", min(256, self.max_num_batched_tokens))
-        if self.policy == "mixed" and not self.split_prefill:
-            raise ValueError("policy='mixed' requires split_prefill=True (got split_prefill=False)")
+        policy = POLICIES[self.policy]
+        if policy.needs_split_prefill and not self.split_prefill:
+            raise ValueError(f"policy={self.policy!r} requires split_prefill=True (got split_prefill=False)")
         if self.speculative is not None:
-            if not isinstance(self.speculative, SpecConfig):
-                raise ValueError(f"speculative must be a SpecConfig or None, got {self.speculative!r}")
-            if self.policy == "mixed":
+            if not policy.supports_speculation:
                 raise ValueError(
-                    "speculative decoding is not supported with policy='mixed' "
+                    f"speculative decoding is not supported with policy={self.policy!r} "
                     "(set speculative=None or choose another policy)"
                 )
+            # A verify round runs its num_draft_tokens rows in one batch; more never fit and
+            # the request would wait forever.
+            if self.speculative.num_draft_tokens > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"speculative.num_draft_tokens ({self.speculative.num_draft_tokens}) must be <= "
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+                )
+        return self

@@ -1,23 +1,23 @@
-"""The scheduler's bookkeeping invariants, checked by recounting everything (O(n): tests only)."""
+"""The scheduler's bookkeeping invariants, checked by recounting everything (O(n): tests only).
+
+Tests call `check_invariants` after every step; the scheduler never imports this module.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from loopserve.scheduler.scheduler import Scheduler
 from loopserve.scheduler.types import Operation, RequestStatus
-
-if TYPE_CHECKING:
-    from loopserve.scheduler.scheduler import Scheduler
 
 S = RequestStatus
 
 
 def check_invariants(sched: Scheduler) -> None:
     """Slots, lifecycle, pending work, queues, counters and KV agree; nothing left at drain."""
-    cfg, reqs, slots = sched.config, sched._reqs, sched.admission_slots
+    view = sched.view()
+    cfg, reqs, slots = sched.config, view.requests, sched.admission_slots
     assert len(slots) <= cfg.max_num_seqs, f"{len(slots)} slots > max_num_seqs {cfg.max_num_seqs}"
-    inflight = {i.request_id: b.batch_id for b in sched._inflight.values() for i in b.items}
-    assert len(inflight) == sum(len(b.items) for b in sched._inflight.values()), "request in two batches"
+    inflight = {i.request_id: b.batch_id for b in view.inflight for i in b.items}
+    assert len(inflight) == sum(len(b.items) for b in view.inflight), "request in two batches"
     for rid in slots:
         st = reqs.get(rid)
         assert st is not None, f"slot held by forgotten request {rid}"
@@ -50,18 +50,18 @@ def check_invariants(sched: Scheduler) -> None:
         else:
             assert rid not in waiting, f"{rid} is {st.status.value} but in the waiting queue"
         if st.status is S.RECEIVING:
-            assert resident and rid not in slots and (rid in sched._landed) == st.kv_landed
+            assert resident and rid not in slots and (rid in view.landed) == st.kv_landed
         if st.status is S.TRANSFERRING:
             assert resident and rid not in slots and not st.in_flight
         if st.status is S.FINISHED:
             assert st.in_flight, f"FINISHED {rid} not retired though no batch holds it"
-    assert counts == sched._counts, f"status counts drifted: {counts} vs {sched._counts}"
+    assert counts == view.status_counts, f"status counts drifted: {counts} vs {dict(view.status_counts)}"
     assert set(sched.kv.usage().per_request) <= set(reqs), "blocks held by forgotten requests"
-    if sched._gate is not None:
-        live = sum(1 for b in sched._inflight.values() if b.operation is Operation.RECURRENT for _ in b.items)
-        live += sum(len(sched.queues.lanes[lane]) for lane in sched.queues.lanes if lane[1] is Operation.RECURRENT)
-        assert sched._gate.num_live() == live, "no_refill cohort counts drifted"
+    if view.live_cohort_rows is not None:
+        live = sum(len(b.items) for b in view.inflight if b.operation is Operation.RECURRENT)
+        live += sum(len(lane) for (_, op), lane in sched.queues.lanes.items() if op is Operation.RECURRENT)
+        assert view.live_cohort_rows == live, "no_refill cohort counts drifted"
     sched.kv.check()
     if not reqs:
-        assert not slots and not sched._inflight, "slots or batches left at drain"
+        assert not slots and not view.inflight, "slots or batches left at drain"
         assert sched.kv.usage().used_blocks == 0, "blocks left at drain"

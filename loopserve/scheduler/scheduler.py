@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Set
+from dataclasses import dataclass
+from types import MappingProxyType
 
-from loopserve.kv_cache import KVCacheManager, KVCapacityError
+from loopserve.kv_cache import KVCacheManager
 from loopserve.scheduler.batch import (
     BatchResult,
     ScheduledBatch,
@@ -24,8 +26,7 @@ from loopserve.scheduler.batch import (
 )
 from loopserve.scheduler.config import SchedulerConfig
 from loopserve.scheduler.errors import QueueFullError
-from loopserve.scheduler.invariants import check_invariants
-from loopserve.scheduler.policy import CohortGate, Plan, order_plans
+from loopserve.scheduler.policy import POLICIES, Plan
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
@@ -36,6 +37,18 @@ S = RequestStatus
 _request_id = operator.attrgetter("request_id")
 ADMISSION_SCAN = 64  # waiting requests looked at per step
 ADMISSION_BYPASS = 8  # how many may be admitted past a blocked one (so big requests still get in)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """The bookkeeping behind the public attributes, read-only, for checks from outside
+    (invariants.py); valid until the scheduler's next call."""
+
+    requests: Mapping[str, RequestState]  # every request not yet forgotten
+    inflight: tuple[ScheduledBatch, ...]
+    landed: Set[str]  # RECEIVING requests whose KV landed, waiting for a slot
+    status_counts: Mapping[RequestStatus, int]  # kept incrementally
+    live_cohort_rows: int | None  # rows the no_refill cohort gate counts; None without a gate
 
 
 class Scheduler:
@@ -53,7 +66,8 @@ class Scheduler:
         self._reqs: dict[str, RequestState] = {}
         self._landed: dict[str, RequestState] = {}  # RECEIVING with KV landed, FIFO
         self._inflight: dict[int, ScheduledBatch] = {}
-        self._gate = CohortGate() if config.policy == "no_refill" else None
+        self.policy = POLICIES[config.policy]()
+        self._gate = self.policy.cohort_gate()
         self._served: dict[Plan, int] = {}
         self._counts = {s: 0 for s in S}
         self._seq = itertools.count()
@@ -164,22 +178,14 @@ class Scheduler:
             raise ValueError(f"expected a SchedRequest, got {type(req).__name__}")
         if req.request_id in self._reqs:
             raise ValueError(f"request_id {req.request_id!r} is already scheduled")
-        tokens = self._lifetime_tokens(req)
-        if not self.kv.can_ever_fit(tokens, req.planes):
-            looped, flat = self.kv.blocks_needed(tokens, req.planes)
-            raise KVCapacityError(
-                f"request {req.request_id!r} needs {looped} looped and {flat} flat KV blocks "
-                f"({tokens} tokens x {req.planes} KV planes); the pools hold "
-                f"{self.kv.looped.num_blocks} looped and {self.kv.flat.num_blocks} flat blocks"
-            )
+        self.kv.check_fits(req.request_id, self._lifetime_tokens(req), req.planes)
 
     def _lifetime_tokens(self, req: SchedRequest) -> int:
         """Full reservation: the prompt plus every output token (a prefill engine only the prompt)."""
         return req.prompt_len if self.config.role == "prefill" else req.prompt_len + req.max_tokens
 
     def _new_state(self, req: SchedRequest, status: RequestStatus) -> RequestState:
-        rank = req.priority if self.config.policy == "priority" else 0
-        st = RequestState(req, next(self._seq), rank, status)
+        st = RequestState(req, next(self._seq), self.policy.rank(req), status)
         self._reqs[req.request_id] = st
         self._counts[status] += 1
         return st
@@ -336,7 +342,7 @@ class Scheduler:
             self.activate_request(next(iter(self._landed)))
         if not self.waiting:
             return
-        can_preempt = cfg.policy == "priority"
+        can_preempt = self.policy.preempts
         bypass_left: int | None = None
         for st in list(itertools.islice(self.waiting, ADMISSION_SCAN)):
             need_slot = len(slots) >= cfg.max_num_seqs
@@ -395,7 +401,7 @@ class Scheduler:
                    admission: bool) -> bool:
         """Preempt victims ranked below `st` so it gets a slot and/or `short` blocks.
 
-        Admission (priority policy) takes strictly lower-priority victims; KV growth takes
+        Admission (a policy that preempts) takes strictly lower-ranked victims; KV growth takes
         any resident request ranked below (priority, then arrival). A slot victim yields per
         preemption_mode; victims whose blocks are needed are offloaded.
         """
@@ -442,7 +448,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batch forming
     def _form_batch(self) -> ScheduledBatch | None:
-        for plan_ in order_plans(self.config.policy, self.queues, self._served):
+        for plan_ in self.policy.order_plans(self.queues, self._served):
             batch = self._fill(plan_)
             if batch is not None:
                 self._served[plan_] = self._tick
@@ -509,6 +515,8 @@ class Scheduler:
             "pending": {f"{k.value}/{o.value}": len(q) for (k, o), q in self.queues.lanes.items() if len(q)},
         }
 
-    def assert_invariants(self) -> None:
-        """The bookkeeping invariants (tests call this after every step); see invariants.py."""
-        check_invariants(self)
+    def view(self) -> SchedulerView:
+        """What a check from outside reads, without reaching into private fields."""
+        return SchedulerView(MappingProxyType(self._reqs), tuple(self._inflight.values()),
+                             self._landed.keys(), MappingProxyType(self._counts),
+                             self._gate.num_live() if self._gate is not None else None)

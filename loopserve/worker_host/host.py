@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
@@ -32,11 +32,11 @@ class EngineHost:
     role = "colocated"
 
     def __init__(self, worker_id: str, engine: dict, transfer: dict | None = None) -> None:
-        if engine.get("role", self.role) != self.role:
-            raise ValueError(f"engine.role is {engine['role']!r} but this is a {self.role} worker")
+        if (role := given_scheduler_keys(engine).get("role", self.role)) != self.role:
+            raise ValueError(f"engine.role is {role!r} but this is a {self.role} worker")
         self.worker_id = worker_id
         self.transfer = dict(transfer or {})
-        self.engine = EngineCore(EngineConfig(**{**engine, "role": self.role}))
+        self.engine = EngineCore(EngineConfig(**merge_engine_data(engine, {"role": self.role})))
         self._lock = EngineLock()  # every engine (and NIXL agent) call
         self._events_cv = threading.Condition()  # the buffers below; taken after _lock, never before
         self._outputs: list[RequestOutput] = []

@@ -27,7 +27,7 @@ def test_cpu_1p1d_is_the_embedded_default():
 def test_shipped_configs_plan(name, roles):
     specs = plan(load_cluster_config(CONFIGS / name))
     assert {s.worker_id for s in specs} == roles
-    assert {s.engine["model"] for s in specs} and all("role" not in s.engine for s in specs)
+    assert {s.engine["model"] for s in specs} and all("role" not in s.engine["scheduler"] for s in specs)
 
 
 def test_h200_shares_one_gpu_between_roles():

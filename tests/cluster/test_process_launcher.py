@@ -16,7 +16,7 @@ from tests.cluster.conftest import colocated_reference, greedy_items
 @pytest.mark.parametrize("config", ["configs/cpu-1p1d.yaml", "configs/colocated.yaml"])
 def test_process_cluster_equals_colocated(config):
     cfg = load_cluster_config(config, launcher="process")
-    engine = cfg.engine.model_dump(exclude={"role"}, exclude_defaults=True)
+    engine = cfg.engine.model_dump(exclude={"scheduler": {"role"}}, exclude_defaults=True)
     items = greedy_items(4, seed=3)
     with Cluster(cfg) as cluster:
         procs = [h._proc for h in cluster.handles]

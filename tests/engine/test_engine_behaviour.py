@@ -6,6 +6,7 @@ import pytest
 
 from loopserve.engine.llm import AsyncLLM, LLM
 from loopserve.engine.sampling_params import SamplingParams
+from loopserve.scheduler.invariants import check_invariants
 from tests.engine.conftest import make_engine, run_to_completion, workload
 
 
@@ -40,7 +41,7 @@ def test_abort_mid_generation_frees_every_block(family):
     outs = []
     while e.has_unfinished():
         outs += e.step()
-        e.scheduler.assert_invariants()
+        check_invariants(e.scheduler)
     aborted = [o for o in outs if o.finish_reason == "abort"]
     assert {o.request_id for o in aborted} == {"r0", "r3"}
     assert e.kv_manager.usage().used_blocks == baseline
@@ -80,6 +81,17 @@ def test_bad_input_names_the_field_and_engine_keeps_serving(prompt, kw, field):
         e.add_request(prompt, SamplingParams(**kw))
     outs, _ = run_to_completion(e)
     assert len(outs["ok"]) == 4
+
+
+def test_a_request_that_can_never_fit_names_the_pool_setting_and_its_size():
+    """The scheduler's admission checks it, for the blocks the role holds: a prefill engine
+    only the prompt's, every other engine the prompt's and every output token's."""
+    params = SamplingParams(max_tokens=40, max_loops=4, ignore_eos=True)
+    e = make_engine("tiny-ouro", num_blocks=16)
+    with pytest.raises(ValueError, match=r"'big' needs 48 looped KV blocks .*more than num_blocks \(16\)"):
+        e.add_request([1] * 8, params, request_id="big")
+    assert not e.has_unfinished()
+    make_engine("tiny-ouro", num_blocks=16, role="prefill").add_request([1] * 8, params, request_id="big")
 
 
 def test_abort_unknown_request_id():

@@ -12,6 +12,7 @@ from loopserve.engine.llm import LLM, AsyncLLM
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.scheduler import RequestStatus
+from loopserve.scheduler.invariants import check_invariants
 from tests.engine.conftest import make_engine, workload
 
 FAULT = "injected device fault"
@@ -46,7 +47,7 @@ def assert_failed(engine: EngineCore, finals: dict[str, RequestOutput], rids) ->
     assert set(finals) == set(rids)
     for o in finals.values():
         assert o.finish_reason == "error" and FAULT in o.error, o
-    engine.scheduler.assert_invariants()
+    check_invariants(engine.scheduler)
     engine.check_no_leaks()
     assert engine.kv_manager.usage().used_blocks == 0
     with pytest.raises(EngineFailedError, match=FAULT):

@@ -67,7 +67,7 @@ def test_llm_generate_long_prompts_match_dense_reference(family, cfg, defer):
     e = llm.engine
     e.check_no_leaks()
     assert e.runner.states.version > 0, "the state slab must have grown"
-    assert len(items) > MAX_NUM_SEQS == e.config.max_num_seqs
+    assert len(items) > MAX_NUM_SEQS == e.config.scheduler.max_num_seqs
     if cfg == "speculative":
         assert e.counters.spec_accepted > 0
 

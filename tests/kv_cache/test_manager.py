@@ -25,7 +25,7 @@ def test_never_fits_error_names_request_and_blocks():
     with pytest.raises(KVCapacityError) as e:
         m.allocate("req-7", 20, 4)
     msg = str(e.value)
-    assert "req-7" in msg and "20 looped blocks" in msg and "hold 8 looped" in msg
+    assert "req-7" in msg and "20 looped KV blocks" in msg and "num_blocks (8)" in msg
     assert m.usage().used_blocks == 0
 
 

@@ -28,6 +28,7 @@ from loopserve.scheduler import (
     Scheduler,
     WorkKey,
 )
+from loopserve.scheduler.invariants import check_invariants
 
 Marker = tuple[str, int]
 
@@ -261,7 +262,7 @@ class FakeEngine:
                            (st.status is RequestStatus.RECEIVING and not st.kv_landed) for st in left), \
                     f"no progress: {self.sched.stats()}"
                 return steps
-            self.sched.assert_invariants()
+            check_invariants(self.sched)
             steps += 1
             assert steps < max_steps, f"did not drain: {self.sched.stats()}"
         return steps

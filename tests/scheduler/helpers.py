@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loopserve.kv_cache import KVCacheManager, KVLayout
-from loopserve.scheduler import Scheduler, SchedulerConfig, SchedRequest, SpecConfig
+from loopserve.scheduler import Scheduler, SchedulerConfig, SchedRequest, SpeculativeConfig
 from tests.scheduler.fake_engine import FakeEngine
 
 # One entry per policy (and the variants that change its work shapes).
@@ -14,15 +14,19 @@ POLICY_CONFIGS: dict[str, dict] = {
     "priority-offload": {"policy": "priority", "preemption_mode": "offload"},
     "mixed": {"policy": "mixed", "split_prefill": True, "prefill_chunk_size": 4},
     "split-ouro": {"split_prefill": True, "prefill_chunk_size": 3, "coda_writes_kv": False},
-    "speculative": {"speculative": SpecConfig(3, 1)},
+    "speculative": {"speculative": SpeculativeConfig(num_draft_tokens=3, draft_loops=1)},
 }
 
 
 def make_scheduler(blocks: int = 200, block_size: int = 2, flat: bool = True,
-                   incremental: bool = False, **cfg) -> Scheduler:
+                   incremental: bool = False, max_num_seqs: int = 16,
+                   max_num_batched_tokens: int = 512, **cfg) -> Scheduler:
+    """Smaller slot and token budgets than the engine's defaults, so the tests' few requests
+    contend for them."""
     layout = KVLayout(block_size, blocks, blocks if flat else 0, flat)
     kv = KVCacheManager(layout, incremental=incremental)
-    return Scheduler(SchedulerConfig(incremental_kv=incremental, **cfg), kv)
+    return Scheduler(SchedulerConfig(incremental_kv=incremental, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens, **cfg), kv)
 
 
 def add(engine: FakeEngine, i: int | str, prompt_len: int = 5, max_tokens: int = 4,

@@ -13,9 +13,11 @@ from loopserve.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedRequest,
-    SpecConfig,
+    SpeculativeConfig,
     WorkKey,
 )
+from loopserve.scheduler.invariants import check_invariants
+from loopserve.scheduler.policy import POLICIES
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
 from loopserve.scheduler.request import RequestState
 from tests.scheduler.helpers import make_scheduler
@@ -28,8 +30,10 @@ from tests.scheduler.helpers import make_scheduler
      ["prefill_chunk_size (64)", "max_num_batched_tokens (32)"]),
     (dict(prefill_chunk_size=8), ["prefill_chunk_size", "split_prefill"]),
     (dict(policy="mixed"), ["policy='mixed'", "split_prefill"]),
-    (dict(policy="mixed", split_prefill=True, speculative=SpecConfig()), ["speculative", "mixed"]),
+    (dict(policy="mixed", split_prefill=True, speculative=SpeculativeConfig()), ["speculative", "mixed"]),
     (dict(policy="fifo"), ["policy", "refill", "fifo"]),
+    (dict(speculative=SpeculativeConfig(num_draft_tokens=8), max_num_batched_tokens=4),
+     ["speculative.num_draft_tokens (8)", "max_num_batched_tokens (4)"]),
     (dict(preemption_mode="swap"), ["preemption_mode"]),
     (dict(role="router"), ["role"]),
     (dict(max_waiting=0), ["max_waiting"]),
@@ -41,11 +45,20 @@ def test_bad_configs_fail_at_construction_naming_the_fields(kw, fields):
         assert f in str(e.value)
 
 
+def test_unknown_policy_names_the_field_and_every_registered_policy():
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(policy="fifo")
+    msg = str(e.value)
+    assert "policy" in msg and "'fifo'" in msg and all(name in msg for name in POLICIES), msg
+
+
 def test_spec_config_and_defaults():
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpecConfig(num_draft_tokens=0)
+        SpeculativeConfig(num_draft_tokens=0)
     with pytest.raises(ValueError, match="draft_loops"):
-        SpecConfig(draft_loops=0)
+        SpeculativeConfig(draft_loops=0)
+    with pytest.raises(ValueError, match=r"num_draft_tokens\n.*less than or equal to 16"):
+        SpeculativeConfig(num_draft_tokens=17)
     assert SchedulerConfig(split_prefill=True, max_num_batched_tokens=100).prefill_chunk_size == 100
     assert SchedulerConfig(split_prefill=True).prefill_chunk_size == 256
 
@@ -83,7 +96,7 @@ def test_add_request_rejects_duplicates_impossible_requests_and_overflow():
     with pytest.raises(QueueFullError, match="max_waiting=2"):
         s.add_request(SchedRequest("c", 2, 2, 1, 2))
     assert s.stats()["num_waiting"] == 2
-    s.assert_invariants()
+    check_invariants(s)
 
 
 def st(rid, rank=0):

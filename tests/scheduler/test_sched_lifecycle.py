@@ -13,6 +13,7 @@ from loopserve.scheduler import (
     SchedRequest,
     WorkKey,
 )
+from loopserve.scheduler.invariants import check_invariants
 from tests.scheduler.helpers import add, engine_for
 
 S = RequestStatus
@@ -32,13 +33,13 @@ def test_abort_in_flight_frees_only_when_the_batch_retires():
     st = e.sched.get_request("r0")
     assert st.status is S.FINISHED and "r0" in e.sched.admission_slots  # keeps its slot
     assert e.sched.kv.usage().used_blocks == used
-    e.sched.assert_invariants()
+    check_invariants(e.sched)
     assert not e.sched.abort("r0") and not e.sched.abort("nope")
     events = e.sched.update(out.batch, BatchResult({}))  # no result needed for an aborted item
     assert events.finished == [] and e.sched.get_request("r0") is None
     assert e.sched.kv.usage().used_blocks == 0 and not e.sched.admission_slots
     assert e.sched.schedule().freed == ("r0",)
-    e.sched.assert_invariants()
+    check_invariants(e.sched)
 
 
 def test_stop_ends_a_request_as_finished_in_flight_or_queued():
@@ -57,7 +58,7 @@ def test_stop_ends_a_request_as_finished_in_flight_or_queued():
     assert e.sched.get_request("r1") is None and not e.sched.queues.pending
     assert (e.sched.num_finished, e.sched.num_aborted) == (2, 0)
     assert e.sched.kv.usage().used_blocks == 0
-    e.sched.assert_invariants()
+    check_invariants(e.sched)
 
 
 def reach(e, rid, pred, limit=300):
@@ -104,7 +105,7 @@ def test_abort_at_every_status_drains_clean(where):
     }[where]
     assert e.abort("victim")
     assert st.status is S.FINISHED
-    e.sched.assert_invariants()
+    check_invariants(e.sched)
     e.drain()
     assert "victim" not in e.finished
     assert e.sched.kv.usage().used_blocks == 0
@@ -123,7 +124,7 @@ def test_async_schedule_skips_requests_in_flight_and_batches_are_checked():
     e.sched.update(first.batch, res)
     with pytest.raises(ValueError, match="not in flight"):
         e.sched.update(first.batch, res)
-    e.sched.assert_invariants()
+    check_invariants(e.sched)
 
 
 def test_results_contradicting_the_item_are_rejected_before_any_change():
@@ -136,7 +137,7 @@ def test_results_contradicting_the_item_are_rejected_before_any_change():
         e.sched.update(out.batch, BatchResult({"r0": ItemResult(exited=(0,))}))
     with pytest.raises(ValueError, match="not among"):
         e.sched.update(out.batch, BatchResult({"r0": ItemResult(exited=(9,))}))
-    e.sched.assert_invariants()  # still in flight, untouched
+    check_invariants(e.sched)  # still in flight, untouched
     e.sched.update(out.batch, BatchResult({"r0": ItemResult()}))
 
 
@@ -232,7 +233,7 @@ def test_abort_receiving_and_transferring():
     assert hand_over(p, d, "x", 3)
     assert p.abort("x") and d.abort("x")
     for e in (p, d):
-        e.sched.assert_invariants()
+        check_invariants(e.sched)
         assert not e.sched.has_unfinished() and e.sched.kv.usage().used_blocks == 0
 
 

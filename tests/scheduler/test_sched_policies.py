@@ -4,10 +4,16 @@ batches (recurrent first); priority orders work; decode is never starved by prom
 import pytest
 
 from loopserve.scheduler import Operation, WorkKey
+from loopserve.scheduler.invariants import check_invariants
+from loopserve.scheduler.policy import POLICIES
 from loopserve.scheduler.types import FIXED_OPERATION
 from tests.scheduler.helpers import POLICY_CONFIGS, add, engine_for
 
 K = WorkKey
+
+
+def test_every_registered_policy_has_a_config_the_policy_tests_run():
+    assert {c.get("policy", "refill") for c in POLICY_CONFIGS.values()} == set(POLICIES)
 
 
 @pytest.mark.parametrize("cfg", list(POLICY_CONFIGS))
@@ -18,7 +24,7 @@ def test_every_policy_drains_within_budget_and_slots(cfg):
             max_loops=2 + i % 3, priority=i % 3)
     while e.sched.has_unfinished() or e.pipeline:
         e.step()
-        e.sched.assert_invariants()
+        check_invariants(e.sched)
         assert len(e.sched.admission_slots) <= 4
     assert set(e.finished) == set(e.tracks)
     for b in e.batches:

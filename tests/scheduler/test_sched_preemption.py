@@ -3,6 +3,7 @@
 import pytest
 
 from loopserve.scheduler import RequestStatus
+from loopserve.scheduler.invariants import check_invariants
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.request import RequestState, SchedRequest
 from tests.scheduler.helpers import add, engine_for
@@ -19,7 +20,7 @@ def run_until(e, cond, limit=500):
         if cond():
             return
         e.step()
-        e.sched.assert_invariants()
+        check_invariants(e.sched)
     raise AssertionError("condition never met")
 
 
@@ -114,7 +115,7 @@ def test_regression_split_priority_preemption_incremental_drains(mode, seed):
     for i in range(12):
         add(e, i, prompt_len=3 + (i * 5) % 9, max_tokens=6, max_loops=2, priority=-i)
         e.step()
-        e.sched.assert_invariants()
+        check_invariants(e.sched)
     e.drain()
     assert e.sched.num_preemptions > 0
     assert set(e.finished) == set(e.tracks) and e.sched.kv.usage().used_blocks == 0

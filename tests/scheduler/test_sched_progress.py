@@ -1,6 +1,6 @@
 """The exact work items a request goes through: atomic and split prefill, decode, speculation."""
 
-from loopserve.scheduler import Operation, SpecConfig, WorkKey
+from loopserve.scheduler import Operation, SpeculativeConfig, WorkKey
 from tests.scheduler.helpers import add, engine_for
 
 P, R, C = Operation.PRELUDE, Operation.RECURRENT, Operation.CODA
@@ -90,7 +90,7 @@ def test_long_atomic_prompt_runs_alone_over_the_budget():
 
 
 def spec_engine(**kw):
-    return engine_for(speculative=SpecConfig(num_draft_tokens=3, draft_loops=1), **kw)
+    return engine_for(speculative=SpeculativeConfig(num_draft_tokens=3, draft_loops=1), **kw)
 
 
 def test_speculative_round_drafts_shallow_then_verifies_at_full_depth():
