@@ -1,5 +1,6 @@
-"""A non-editable install carries the package data: named model configs resolve and
-`py.typed` is there (a path found through a source file's parents works only in a checkout)."""
+"""A non-editable install carries the package data and serves: named model configs resolve,
+`py.typed` is there (a path found through a source file's parents works only in a checkout),
+and the installed engine generates with `tiny-ouro`."""
 
 import os
 import shutil
@@ -14,15 +15,19 @@ import sys
 from importlib.resources import files
 
 import loopserve
+from loopserve.engine.llm import LLM
+from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.config import load_model_config
 
 assert loopserve.__file__.startswith(sys.argv[1]), loopserve.__file__
 cfg = load_model_config("tiny-ouro")
-print(type(cfg).__name__, cfg.hidden_size, files("loopserve").joinpath("py.typed").is_file())
+out = LLM(model="tiny-ouro").generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+print(type(cfg).__name__, cfg.hidden_size, files("loopserve").joinpath("py.typed").is_file(),
+      len(out.token_ids))
 """
 
 
-def test_non_editable_install_finds_tiny_ouro_and_py_typed(tmp_path):
+def test_non_editable_install_serves_tiny_ouro_and_has_py_typed(tmp_path):
     # Built from a copy: pip builds in the tree it is given (build/, *.egg-info), and a
     # build/ left from an earlier run would ship modules the checkout no longer has.
     src = tmp_path / "src"
@@ -38,4 +43,4 @@ def test_non_editable_install_finds_tiny_ouro_and_py_typed(tmp_path):
     run = subprocess.run([sys.executable, "-c", PROBE, str(target)], cwd=elsewhere, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["OuroConfig", "64", "True"]
+    assert run.stdout.split()[-4:] == ["OuroConfig", "64", "True", "4"], run.stdout
