@@ -69,8 +69,10 @@ class ServerConfig(_Strict):
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
     # A call to a worker (or its event poll) unanswered this long: the worker is routed around
     # and the call goes elsewhere; unanswered for worker_fail_s: failed, its requests migrate.
-    worker_deadline_s: float = Field(5.0, gt=0)
-    worker_fail_s: float = Field(15.0, gt=0)
+    # Polls never wait for the engine, but calls wait for its current step: an overloaded
+    # worker in eager GPU mode kept a submit waiting > 5 s (H100, 52d7f2a), hence 10 s.
+    worker_deadline_s: float = Field(10.0, gt=0)
+    worker_fail_s: float = Field(30.0, gt=0)
     # Generate streams in flight; beyond, new ones get RESOURCE_EXHAUSTED at once (the other
     # RPCs still answer, so health checks work under overload).
     max_pending_requests: int = Field(4096, ge=1)

@@ -137,14 +137,16 @@ class ProcessWorkerHandle(WorkerHandle):
         conn = self._conn()
         try:
             conn.send((method, args))
-            if timeout is not None and not conn.poll(timeout):
-                self._drop_conn()  # a late reply would be read as the next call's
-                raise TimeoutError(f"{self.worker_id}.{method} did not answer within {timeout} s")
-            status, value = conn.recv()
+            answered = timeout is None or conn.poll(timeout)
+            if answered:
+                status, value = conn.recv()
         except (EOFError, OSError, ConnectionError) as e:
             self._drop_conn()
             raise WorkerDiedError(f"worker {self.worker_id} is gone ({type(e).__name__}) "
                                   f"during {method}") from None
+        if not answered:  # alive but late: not a dead worker (TimeoutError is an OSError)
+            self._drop_conn()  # a late reply would be read as the next call's
+            raise TimeoutError(f"{self.worker_id}.{method} did not answer within {timeout} s")
         if status == "err":
             raise value
         return value

@@ -134,8 +134,8 @@ class _WorkerState:
 
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
-                 poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 5.0,
-                 fail_s: float = 15.0, metrics: ServingMetrics | None = None) -> None:
+                 poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 10.0,
+                 fail_s: float = 30.0, metrics: ServingMetrics | None = None) -> None:
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}

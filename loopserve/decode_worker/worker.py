@@ -57,6 +57,7 @@ class DecodeWorker(TransferHost):
             self._check_healthy()
             self._inbox.append(message)
             self._accepted += 1
+            self._refresh_load()
         self._wake.set()
         return True
 

@@ -47,6 +47,7 @@ class EngineHost:
         self._aborted_early = RecentIds()
         self._stop = False
         self._setup_transfers()
+        self._refresh_load()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-step", daemon=True)
         self._thread.start()
 
@@ -60,12 +61,14 @@ class EngineHost:
                 with self._lock.step():
                     busy = self._tick()
                     waiting = self._transfers_pending()
+                    self._refresh_load()
             except Exception as e:  # noqa: BLE001 - raised outside the engine's step (KV transfers)
                 log.exception("%s: step loop failed", self.worker_id)
                 with self._lock:  # the worker is broken all the same: end its requests as a step would
                     outputs = self.engine.fail(e)
                     self._observe(outputs)
                     self._publish(outputs)
+                    self._refresh_load()
             if self.engine.error is not None:  # its requests have ended; the launcher replaces it
                 log.error("%s: %s; reporting unhealthy", self.worker_id, self.engine.error)
                 return
@@ -126,6 +129,7 @@ class EngineHost:
             self.engine.add_request(prompt, params, request_id)
             self._accepted += 1
             self._observe()
+            self._refresh_load()
         self._wake.set()
         return True
 
@@ -156,16 +160,21 @@ class EngineHost:
         return ev
 
     def load(self) -> WorkerLoad:
-        with self._lock:
-            s = self.engine.scheduler.stats()
-            pool = self.engine.kv_manager.usage().looped
-            extra_queue, extra_blocks = self._unplaced()
-            return WorkerLoad(
-                worker_id=self.worker_id, role=self.role,
-                queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
-                free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
-                accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
-            )
+        """As of the last step or accepted submit: never waits for the engine, so a poll is
+        answered during a long step (the router tells a busy worker from a hung one)."""
+        return self._load
+
+    def _refresh_load(self) -> None:
+        """Snapshot the load (the engine lock is held, or the step loop is not running yet)."""
+        s = self.engine.scheduler.stats()
+        pool = self.engine.kv_manager.usage().looped
+        extra_queue, extra_blocks = self._unplaced()
+        self._load = WorkerLoad(
+            worker_id=self.worker_id, role=self.role,
+            queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
+            free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
+            accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
+        )
 
     def _unplaced(self) -> tuple[int, int]:
         """Work accepted but not yet in the scheduler: (requests, looped blocks it will take)."""

@@ -22,6 +22,10 @@ def test_process_cluster_equals_colocated(config):
         procs = [h._proc for h in cluster.handles]
         results = asyncio.run(run_workload(cluster.router, items))
         usage = wait_idle(cluster.handles)
+        late = cluster.handles[0]  # idle: a 2 s long poll cannot answer within 0.05 s
+        with pytest.raises(TimeoutError):  # alive but late, not "gone" (TimeoutError is an OSError)
+            late._call("get_events", 2.0, timeout=0.05)
+        assert late.health(timeout=30)["ok"]
         if cfg.mode == "pd":
             d = next(h for h in cluster.handles if h.role == "decode")
             assert d.trace(items[0].request_id) == ["RECEIVING", "ACTIVE", "FINISHED"]
