@@ -301,8 +301,11 @@ class EngineCore:
         if not self.scheduler.add_receiving(self._sched_request(req), h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req
-        # Zero fresh blocks now, before the KV read lands in them.
+        # Zero fresh blocks now, before the KV read lands in them; the READ does not queue
+        # behind the compute stream, so the zeroing (and any earlier kernel still writing these
+        # blocks for their previous owner) must have run before the caller posts it.
         self.runner.apply_kv_moves((), self.kv_manager.pop_new_blocks(), ())
+        self.runner.sync()
         return self.kv_manager.block_table(h.request_id)
 
     def kv_received(self, request_id: str) -> None:

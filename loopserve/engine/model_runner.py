@@ -85,6 +85,16 @@ class ModelRunner:
         flat = self.kv.gather_blocks("flat", table.flat) if table.flat else None
         return looped, flat
 
+    def sync(self) -> None:
+        """Wait until every kernel queued so far on the device has run (nothing to wait for on
+        CPU, where each runs as it is called). A write that bypasses the compute stream (a NIXL
+        READ into a handed-off request's blocks) must start only after this: the stream may
+        still hold the zeroing of those blocks, or the last K/V writes of the request that held
+        them before, and either would land on the KV read in. With defer_readback and CUDA
+        graphs the host runs a whole token's Operations ahead of the GPU, so they would."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def drop(self, request_id: str) -> None:
         self.states.drop(request_id)
         self._host.pop(request_id, None)

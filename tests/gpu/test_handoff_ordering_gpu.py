@@ -1,0 +1,110 @@
+"""The GPU twin of tests/engine/test_handoff_ordering.py: a handed-off request's KV READ (a
+copy that does not queue behind the compute stream, as NIXL's DMA does not) lands after the
+decode engine's zeroing of those blocks, however far the stream is backed up.
+
+The 1P1D bug at 52d7f2a (GPU features on, ouro-1.4b-shape bf16 under load: 46/64 requests off
+at the first decode-side token, the colocated token outside the top-20): add_handoff queued
+the zeroing behind a token's worth of decode work (defer_readback and CUDA graphs keep the
+host that far ahead), the READ landed first and the zeroing wiped the prompt's KV. Here
+`torch.cuda._sleep` stands in for that backlog. With the fix (`ModelRunner.sync` in
+add_handoff) the blocks hold the prefill side's KV; `sync=False` shows the race itself (the
+blocks come out zero), i.e. that this test can see it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.intmath import cdiv
+from tests.engine.test_handoff_ordering import read_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BACKLOG_CYCLES = 200_000_000  # ~0.1 s of GPU time queued ahead of add_handoff's zeroing
+
+
+def _engine(role: str, **kw) -> EngineCore:
+    return EngineCore(EngineConfig(model="tiny-ouro", device="cuda", dtype="float32", block_size=16,
+                                   num_blocks=1024, max_model_len=256, role=role, **{**GPU_FEATURES, **kw}))
+
+
+def _work(n: int, seed: int = 5):
+    rng = random.Random(seed)
+    return [(f"r{i}", [rng.randrange(0, 256) for _ in range(rng.randint(40, 160))],
+             SamplingParams(max_tokens=10, ignore_eos=True, seed=i)) for i in range(n)]
+
+
+def _side_read(p: EngineCore, d: EngineCore, h, table) -> None:
+    side = torch.cuda.Stream()  # no wait on d's stream: the order NIXL's READ has
+    with torch.cuda.stream(side):
+        read_kv(p, d, h, table)
+    side.synchronize()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_read_lands_after_the_queued_zeroing(sync, monkeypatch):
+    p, d = _engine("prefill"), _engine("decode")
+    rid, prompt, params = _work(1)[0]
+    p.add_request(prompt, params, request_id=rid)
+    while not (hs := p.take_handoffs()):
+        p.step()
+    h = hs[0]
+    torch.cuda.synchronize()
+    if not sync:
+        monkeypatch.setattr(d.runner, "sync", lambda: None)
+    torch.cuda._sleep(BACKLOG_CYCLES)  # decode work the host launched a token ahead
+    table = d.add_handoff(h)
+    _side_read(p, d, h, table)
+    torch.cuda.synchronize()
+    n = cdiv(h.num_kv_tokens, h.block_size)
+    remote = h.table()
+    planes = [("looped", r, l) for r, l in zip(remote.depth, table.depth)]
+    planes += [("flat", remote.flat, table.flat)] if remote.flat else []
+    intact = [torch.equal(p.runner.kv.pool(k)[r[:n]], d.runner.kv.pool(k)[l[:n]]) for k, r, l in planes]
+    print(f"sync={sync}: planes holding the prefill KV after the READ: {intact}")
+    if sync:
+        assert all(intact), "the zeroing queued before add_handoff returned landed on the READ"
+    else:
+        assert not all(intact), ("without the sync the READ still landed after the zeroing: the "
+                                 "backlog is too short to show the race (raise BACKLOG_CYCLES)")
+
+
+def test_pd_with_backlogged_decode_stream_equals_colocated_fp32():
+    """End to end: 12 requests arriving while others decode, each handoff placed behind a
+    backlog on the decode stream, READ on a side stream: the tokens equal colocated's."""
+    work = _work(12)
+    c = _engine("colocated")
+    want: dict[str, list[int]] = {}
+    for rid, prompt, params in work:
+        c.add_request(prompt, params, request_id=rid)
+    while c.has_unfinished():
+        for o in c.step():
+            want.setdefault(o.request_id, []).extend(o.new_token_ids)
+    p, d = _engine("prefill"), _engine("decode")
+    got: dict[str, list[int]] = {}
+    pending, steps = list(work), 0
+    while p.has_unfinished() or d.has_unfinished() or pending:
+        if pending and steps % 2 == 0:
+            rid, prompt, params = pending.pop(0)
+            p.add_request(prompt, params, request_id=rid)
+        for o in p.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for h in p.take_handoffs():
+            torch.cuda._sleep(BACKLOG_CYCLES // 10)
+            table = d.add_handoff(h)
+            _side_read(p, d, h, table)
+            d.kv_received(h.request_id)
+            p.transfer_done(h.request_id)
+        for o in d.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        assert steps < 100_000
+    bad = {r: (want[r], got.get(r)) for r in want if got.get(r) != want[r]}
+    print(f"PD vs colocated: {len(want) - len(bad)}/{len(want)} equal")
+    assert not bad, bad
