@@ -1,11 +1,14 @@
-"""One physical pool of KV blocks: a free list and which blocks are in use (no tensors here).
+"""One physical pool of KV blocks: reference counts and a free queue (no tensors here).
 
-No block is shared between requests, so a block is either free or owned by one request.
+A block is shared by every request whose table holds it (prefix caching), so each block
+carries a reference count; it joins the free queue when the count drops to zero. A freed
+block that the prefix cache still indexes stays valid in the queue until it is handed out
+again, so the queue's order is also the cache's LRU eviction order.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -13,10 +16,10 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Hands out block ids; a freed block returns to the end of the free list.
+    """Hands out block ids; a block whose last reference goes joins the end of the queue.
 
-    The free list is FIFO so a just-freed block is reused last, which keeps use-after-free
-    bugs visible in tests instead of hiding them behind immediate reuse.
+    The queue is FIFO, so a just-freed block is reused last: use-after-free bugs stay visible
+    in tests, and cached blocks freed long ago are evicted first (LRU).
     """
 
     def __init__(self, name: str, num_blocks: int) -> None:
@@ -24,8 +27,8 @@ class BlockPool:
             raise ValueError(f"{name}: num_blocks must be >= 0, got {num_blocks}")
         self.name = name
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._in_use = [False] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -35,30 +38,42 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
     def allocate(self, n: int) -> list[int]:
+        """`n` blocks from the head of the queue, one reference each (the caller drops any
+        cache entry they still held)."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"{self.name} pool: need {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in ids:
-            self._in_use[b] = True
+            self._refs[b] = 1
         return ids
 
-    def free(self, ids: list[int]) -> None:
+    def share(self, ids: list[int]) -> None:
+        """One more reference to each block (a prefix-cache hit); a free one leaves the queue."""
         for b in ids:
-            if not self._in_use[b]:
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference to each block, in order; unreferenced blocks join the queue."""
+        for b in ids:
+            if self._refs[b] == 0:
                 raise RuntimeError(f"{self.name} pool: block {b} freed more often than allocated")
-            self._in_use[b] = False
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
 
     def check(self) -> None:
-        """Pool accounting: free + used == total, free blocks are not in use, no duplicates."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError(f"{self.name} pool: duplicate ids in the free list")
-        if any(self._in_use[b] for b in free):
-            raise AssertionError(f"{self.name} pool: a free block is marked in use")
-        in_use = sum(self._in_use)
-        if in_use + len(free) != self.num_blocks:
+        """Pool accounting: a block is queued iff unreferenced; free + used == total."""
+        bad = [b for b in self._free if self._refs[b]]
+        if bad:
+            raise AssertionError(f"{self.name} pool: free blocks {bad[:5]} are referenced")
+        used = sum(1 for r in self._refs if r)
+        if used + len(self._free) != self.num_blocks:
             raise AssertionError(
-                f"{self.name} pool: {len(free)} free + {in_use} used != {self.num_blocks} total"
+                f"{self.name} pool: {len(self._free)} free + {used} used != {self.num_blocks} total"
             )
