@@ -426,7 +426,8 @@ class EngineCore:
             "scheduler": self.scheduler.stats(),
             "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
             "prefix_cache": {**self.kv_manager.prefix_stats.__dict__,
-                             "cached_blocks": len(self.kv_manager.prefix)},
+                             "cached_blocks": len(self.kv_manager.prefix),
+                             "evicted_blocks": self.kv_manager.prefix.num_evicted},
         }
 
     def check_no_leaks(self) -> None:

@@ -1,9 +1,9 @@
 """One physical pool of KV blocks: reference counts and a free queue (no tensors here).
 
 A block is shared by every request whose table holds it (prefix caching), so each block
-carries a reference count; it joins the free queue when the count drops to zero. A freed
-block that the prefix cache still indexes stays valid in the queue until it is handed out
-again, so the queue's order is also the cache's LRU eviction order.
+carries a reference count; it becomes free when the count drops to zero. A free block the
+prefix cache still indexes waits in a second queue, valid until it is handed out again:
+plain free blocks go first, then cached ones, least recently freed first (LRU eviction).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Hands out block ids; a block whose last reference goes joins the end of the queue.
+    """Hands out block ids; a block whose last reference goes joins the end of its queue.
 
-    The queue is FIFO, so a just-freed block is reused last: use-after-free bugs stay visible
-    in tests, and cached blocks freed long ago are evicted first (LRU).
+    The plain queue is FIFO, so a just-freed block is reused last, which keeps use-after-free
+    bugs visible in tests instead of hiding them behind immediate reuse.
     """
 
     def __init__(self, name: str, num_blocks: int) -> None:
@@ -28,25 +28,26 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free but indexed: LRU first
         self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def refs(self, block: int) -> int:
         return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        """`n` blocks from the head of the queue, one reference each (the caller drops any
-        cache entry they still held)."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"{self.name} pool: need {n} blocks, {len(self._free)} free")
-        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
+        """`n` blocks, plain ones first, one reference each (the caller drops the cache entries
+        of any cached block among them)."""
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"{self.name} pool: need {n} blocks, {self.num_free} free")
+        ids = [(self._free if self._free else self._cached).popitem(last=False)[0] for _ in range(n)]
         for b in ids:
             self._refs[b] = 1
         return ids
@@ -55,25 +56,29 @@ class BlockPool:
         """One more reference to each block (a prefix-cache hit); a free one leaves the queue."""
         for b in ids:
             if self._refs[b] == 0:
-                del self._free[b]
+                (self._cached if b in self._cached else self._free).pop(b)
             self._refs[b] += 1
 
-    def free(self, ids: list[int]) -> None:
-        """Drop one reference to each block, in order; unreferenced blocks join the queue."""
+    def free(self, ids: list[int], cached: bool = False) -> None:
+        """Drop one reference to each block, in order; unreferenced blocks join the plain queue,
+        or the LRU one if the prefix cache indexes them (`cached`)."""
+        queue = self._cached if cached else self._free
         for b in ids:
             if self._refs[b] == 0:
                 raise RuntimeError(f"{self.name} pool: block {b} freed more often than allocated")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free[b] = None
+                queue[b] = None
 
     def check(self) -> None:
-        """Pool accounting: a block is queued iff unreferenced; free + used == total."""
-        bad = [b for b in self._free if self._refs[b]]
+        """Pool accounting: a block is queued (once) iff unreferenced; free + used == total."""
+        bad = [b for q in (self._free, self._cached) for b in q if self._refs[b]]
         if bad:
             raise AssertionError(f"{self.name} pool: free blocks {bad[:5]} are referenced")
+        if self._free.keys() & self._cached.keys():
+            raise AssertionError(f"{self.name} pool: a block is in both free queues")
         used = sum(1 for r in self._refs if r)
-        if used + len(self._free) != self.num_blocks:
+        if used + self.num_free != self.num_blocks:
             raise AssertionError(
-                f"{self.name} pool: {len(self._free)} free + {used} used != {self.num_blocks} total"
+                f"{self.name} pool: {self.num_free} free + {used} used != {self.num_blocks} total"
             )

@@ -49,7 +49,8 @@ class KVCacheManager:
     lifetime; growing it again is a bug and raises. With `incremental=True` tables grow as
     the scheduler asks. A new table may start with cached prefix blocks (`prefix`), shared
     with other tables by reference count; `cache_blocks` indexes a table's finished prompt
-    blocks. Unreferenced cached blocks count as free: allocation evicts them, LRU first.
+    blocks. Unreferenced cached blocks count as free: allocation evicts them (after plain free
+    blocks), least recently freed first.
     """
 
     def __init__(self, layout: KVLayout, incremental: bool = False) -> None:
@@ -181,9 +182,10 @@ class KVCacheManager:
             return False
         # Last block first: a request's tail blocks are evicted before the prefix they extend.
         for i in reversed(range(table.num_logical_blocks())):
-            self.looped.free([p[i] for p in table.depth])
+            cached = self.prefix.is_cached(table.depth[0][i])
+            self.looped.free([p[i] for p in table.depth], cached)
             if table.flat:
-                self.flat.free([table.flat[i]])
+                self.flat.free([table.flat[i]], cached)
         return True
 
     def has(self, request_id: str) -> bool:

@@ -49,6 +49,7 @@ class PrefixCache:
         self._entries: dict[BlockHash, CachedBlock] = {}
         self._looped_key: dict[int, BlockHash] = {}
         self._flat_key: dict[int, BlockHash] = {}
+        self.num_evicted = 0  # entries dropped because a block of theirs was handed out again
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,6 +90,7 @@ class PrefixCache:
                     self._drop(key)
 
     def _drop(self, key: BlockHash) -> None:
+        self.num_evicted += 1
         e = self._entries.pop(key)
         for b in e.looped:
             del self._looped_key[b]
