@@ -317,6 +317,11 @@ class EngineCore:
         self.runner.apply_kv_moves((), self.kv_manager.pop_new_blocks(), ())
         return self.kv_manager.block_table(h.request_id)
 
+    def cached_blocks(self, request_id: str) -> int:
+        """Decode role: leading blocks of a RECEIVING request that this engine's prefix cache
+        already held; its KV read starts after them."""
+        return self.scheduler.get_request(request_id).cached_blocks
+
     def kv_received(self, request_id: str) -> None:
         self.scheduler.kv_received(request_id)
 

@@ -98,7 +98,8 @@ class Scheduler:
 
     def add_receiving(self, req: SchedRequest, num_computed_tokens: int) -> bool:
         """Decode role: blocks for a prefilled request whose KV is about to be read (RECEIVING,
-        no slot). False when the blocks are not free now (nothing is allocated)."""
+        no slot), starting from the prompt's cached prefix (`cached_blocks`: not read). False
+        when the blocks are not free now (nothing is allocated)."""
         if self.config.role != "decode":
             raise ValueError(f"add_receiving needs role='decode', this scheduler is role={self.config.role!r}")
         self._check_new(req)
@@ -109,10 +110,15 @@ class Scheduler:
                 f"max_tokens - 2 ({p + req.max_tokens - 2})], got {n!r}"
             )
         tokens = n if self.config.incremental_kv else self._lifetime_tokens(req)
-        if not self.kv.allocate(req.request_id, tokens, req.planes):
+        prefix = self.kv.cached_prefix(req.block_hashes, p) if req.block_hashes else []
+        if not self.kv.allocate(req.request_id, tokens, req.planes, prefix):
             return False
         st = self._new_state(req, S.RECEIVING)
         st.done, st.n_out = n, n - p + 1  # the first token was sampled on the prefill side
+        st.cached_blocks = len(prefix)  # the KV read skips these
+        if req.block_hashes is not None:
+            self.kv.prefix_stats.queries += p
+            self.kv.prefix_stats.hits += len(prefix) * self.kv.layout.block_size
         return True
 
     def kv_received(self, request_id: str) -> bool:

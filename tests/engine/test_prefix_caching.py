@@ -105,21 +105,23 @@ def test_long_shared_prefixes_over_capacity_with_eviction():
     assert stats["hits"] >= 3 * 1100 and stats["evicted_blocks"] > 0
 
 
-def test_pd_prefill_cache_serves_repeated_prefixes(family):
+def test_pd_caches_on_both_sides(family):
+    """The prefill side skips cached prompt work; the decode side, holding a prefix from an
+    earlier handoff, reads only the blocks after it."""
     work = shared_prefix_workload(n=9, seed=3)
     runs = {}
     for caching in (False, True):
         p = make_engine(family, role="prefill", enable_prefix_caching=caching)
         d = make_engine(family, role="decode", enable_prefix_caching=caching)
-        run = None
+        tokens: dict[str, list[int]] = {}
         for k in range(0, len(work), 3):  # three waves: later waves find earlier prompts cached
             for rid, prompt, params in work[k:k + 3]:
                 p.add_request(prompt, params, request_id=rid)
-            r = run_pd(p, d)
-            run = r.tokens if run is None else {**run, **r.tokens}
-        runs[caching] = p, run
-    assert runs[True][1] == runs[False][1]
-    assert runs[True][0].stats()["prefix_cache"]["hits"] > 0
+            tokens.update(run_pd(p, d).tokens)
+        runs[caching] = p, d, tokens
+    assert runs[True][2] == runs[False][2]
+    p, d, _ = runs[True]
+    assert p.stats()["prefix_cache"]["hits"] > 0 and d.stats()["prefix_cache"]["hits"] > 0
 
 
 @pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
