@@ -116,6 +116,8 @@ class KVCacheManager:
         if prefix and (table is not None or len(prefix) * self.layout.block_size > num_tokens):
             raise ValueError(f"request {request_id!r}: a cached prefix starts a new table within "
                              f"{num_tokens} tokens")
+        if any(len(e.looped) != num_planes for e in prefix):
+            raise ValueError(f"request {request_id!r}: a cached block's planes differ from its {num_planes}")
         if table is not None:
             if table.num_planes != num_planes:
                 raise ValueError(
@@ -134,9 +136,6 @@ class KVCacheManager:
         if table is None:
             table = self._tables[request_id] = BlockTable([], [[] for _ in range(num_planes)])
         for e in prefix:  # shared first, so allocating below cannot evict them
-            if len(e.looped) != num_planes:
-                raise ValueError(f"request {request_id!r}: a cached block has {len(e.looped)} planes, "
-                                 f"the request {num_planes}")
             self.looped.share(list(e.looped))
             for plane, b in zip(table.depth, e.looped):
                 plane.append(b)
@@ -199,9 +198,6 @@ class KVCacheManager:
         looped, flat = self._new_looped, self._new_flat
         self._new_looped, self._new_flat = [], []
         return looped, flat
-
-    def num_free_blocks(self) -> tuple[int, int]:
-        return self.looped.num_free, self.flat.num_free
 
     def usage(self) -> KVUsage:
         def pool(p: BlockPool) -> PoolUsage:

@@ -54,9 +54,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: BlockHash) -> bool:
-        return key in self._entries
-
     def lookup(self, keys: Sequence[BlockHash]) -> list[CachedBlock]:
         """Entries of the longest cached prefix of `keys`."""
         hits = []
