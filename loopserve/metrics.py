@@ -165,6 +165,9 @@ class WorkerCollector(Collector):
         used = gauge("kv_cache_used_blocks", "KV blocks in use.", ("pool",))
         loops = counter("loops", "Loops run: rows x loops of RECURRENT batches (prompt tokens too).")
         preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                          "prefill, every loop, skipped).")
         reads = counter("kv_transfer_reads", "Decode side: KV READs done (one per handoff).")
         read_fail = counter("kv_transfer_failures", "Decode side: KV READs that failed or timed out.")
         read_bytes = counter("kv_transfer_bytes", "Decode side: bytes of KV read.")
@@ -187,6 +190,8 @@ class WorkerCollector(Collector):
                     used.add_metric(lab + [pool], u["used"])
             loops.add_metric(lab, c["loops_run"])
             preemptions.add_metric(lab, c["preemptions"])
+            pc_queries.add_metric(lab, s["prefix_cache"]["queries"])
+            pc_hits.add_metric(lab, s["prefix_cache"]["hits"])
             if r := s.get("kv_reads"):
                 reads.add_metric(lab, r["count"])
                 read_fail.add_metric(lab, r["failed"])
@@ -195,4 +200,4 @@ class WorkerCollector(Collector):
             if "leases_expired" in s:
                 leases.add_metric(lab, s["leases_expired"])
         yield from (healthy, running, waiting, receiving, transferring, usage, used, loops,
-                    preemptions, reads, read_fail, read_bytes, read_s, leases)
+                    preemptions, pc_queries, pc_hits, reads, read_fail, read_bytes, read_s, leases)
