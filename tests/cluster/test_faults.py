@@ -273,12 +273,13 @@ def test_a_worker_silent_past_fail_s_is_failed_and_its_requests_migrate(fault_wo
     """The prefill worker holding a request freezes: after fail_s the router fails it, the
     request continues on the other prefill worker (same tokens), and the frozen actor is
     killed for Ray to restart, after which the router uses it again."""
-    router = make_router(fault_workers["prefill"], fault_workers["decode"], deadline_s=0.5, fail_s=2.0)
-    items = greedy_items(3, seed=44, max_tokens=6)
+    router = make_router(fault_workers["prefill"], fault_workers["decode"], deadline_s=1.0, fail_s=3.0)
+    long = WorkItem("silent-long", list(range(3, 163)), SamplingParams(max_tokens=6, ignore_eos=True, seed=44))
+    items = [long, *greedy_items(2, seed=44, max_tokens=6)]  # 160 tokens: 40 prefill chunks of 4
 
     async def run():
         task = asyncio.create_task(run_workload(router, items))
-        victim = await asyncio.to_thread(_holder, fault_workers["prefill"], items[0].request_id, "ACTIVE")
+        victim = await asyncio.to_thread(_holder, fault_workers["prefill"], long.request_id, "ACTIVE")
         os.kill(victim.health(timeout=5)["pid"], signal.SIGSTOP)  # SIGKILL (the restart) ends it
         return victim, await task
 
