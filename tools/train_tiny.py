@@ -3,6 +3,8 @@ variable lookups (loopserve/checkpoints/chains.py), on CPU, seeded and reproduci
 
     PYTHONPATH=. python tools/train_tiny.py --out loopserve/checkpoints/tiny-ouro-chains
 
+(about 15 minutes on one shared CPU core.)
+
 Ouro's objective: a cross-entropy at every loop t, weighted by the exit gate's distribution
 p(t) = λ_t Π_{j<t}(1 − λ_j) (the last loop takes the remaining mass), minus β·H(p). The
 engine exits once 1 − Π_{j≤t}(1 − λ_j) — the probability of having exited by loop t — reaches
@@ -151,6 +153,7 @@ def train(out: Path, seed: int, steps: int, batch: int, lr: float, beta: float, 
             print(f"step {step} {time.time() - t0:.0f}s loss {loss.item():.3f} "
                   f"ce/loop {[round(c, 3) for c in ce.tolist()]} val acc/loop {[round(a, 3) for a in acc]} by depth {accuracy_by_depth(model, val)}",
                   flush=True)
+            save_model(model, out)  # a session may stop at any moment: keep the latest weights
     save_model(model.eval(), out)
     check_against_reference(out, val[:8])
     print(f"saved {out} after {time.time() - t0:.0f}s")
@@ -172,11 +175,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--beta", type=float, default=0.05, help="entropy weight of the exit distribution")
-    ap.add_argument("--curriculum", type=int, default=300, help="steps per added chain depth")
+    ap.add_argument("--curriculum", type=int, default=100, help="steps per added chain depth")
     args = ap.parse_args()
     torch.set_num_threads(1)
     train(args.out, args.seed, args.steps, args.batch, args.lr, args.beta, args.curriculum)
