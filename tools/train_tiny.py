@@ -129,10 +129,11 @@ def accuracy_by_depth(model: OuroModel, problems: list[Problem]) -> list[float]:
     return [round(float(ok[depth == d].float().mean()), 2) for d in range(1, MAX_DEPTH + 1)]
 
 
-def train(out: Path, seed: int, steps: int, batch: int, lr: float, beta: float, curriculum: int) -> None:
+def train(out: Path, seed: int, steps: int, batch: int, lr: float, beta: float, curriculum: int,
+          init: Path | None) -> None:
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = build_model(parse_config(CONFIG), seed=seed).train()
+    model = (load_model(init) if init else build_model(parse_config(CONFIG), seed=seed)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     val = make_problems(seed + 1, 600)
@@ -179,10 +180,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--beta", type=float, default=0.05, help="entropy weight of the exit distribution")
+    ap.add_argument("--init", type=Path, default=None, help="continue from this checkpoint (a second stage)")
     ap.add_argument("--curriculum", type=int, default=100, help="steps per added chain depth")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    train(args.out, args.seed, args.steps, args.batch, args.lr, args.beta, args.curriculum)
+    train(args.out, args.seed, args.steps, args.batch, args.lr, args.beta, args.curriculum, args.init)
 
 
 if __name__ == "__main__":
