@@ -18,7 +18,7 @@ def test_1p1d_answers_like_colocated():
     assert cfg.engine.model == "tiny-ouro-chains"
     engine = cfg.engine.model_dump(exclude={"role"}, exclude_defaults=True)
     problems = make_problems(1234, 12)
-    items = [WorkItem(f"chain-{i}", p.prompt, SamplingParams(max_tokens=2, exit_threshold=t))
+    items = [WorkItem(f"chain-{i}-{t}", p.prompt, SamplingParams(max_tokens=2, exit_threshold=t))
              for i, p in enumerate(problems) for t in (1.0, 0.9)]
     with Cluster(cfg) as cluster:
         results = asyncio.run(run_workload(cluster.router, items))
