@@ -1,9 +1,10 @@
 """The task the shipped `tiny-ouro-chains` model is trained on: chained variable lookups.
 
-`c=b;a=7;e=4;b=a;f=e;c=?` asks for c; c=b, b=a, a=7, so the answer is `7` (then EOS). The
+`v=r;d=5;f=v;s=1;r=3;y=4;f=?` asks for f; f=v, v=r, r=3, so the answer is `3` (then EOS). The
 queried chain's length (`depth`, 1..MAX_DEPTH lookups) is what makes a problem hard: each
-lookup is one more hop of attention, so deeper chains need more loops. Byte-level, so the
-project's byte tokenizer serves it unchanged.
+lookup is one more hop of attention, so deeper chains need more loops. The other statements
+are distractor chains whose roots hold other digits, so guessing a digit of the prompt is
+not enough. Byte-level, so the project's byte tokenizer serves it unchanged.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import random
 import string
 from dataclasses import dataclass
 
-NUM_STATEMENTS = 8  # assignments per prompt: the queried chain plus distractor chains
-MAX_DEPTH = 6
+NUM_STATEMENTS = 6  # assignments per prompt: the queried chain plus distractor chains
+MAX_DEPTH = 4
+MAX_DISTRACTOR = 2  # statements per distractor chain (1..MAX_DISTRACTOR)
 
 
 @dataclass(frozen=True)
@@ -23,30 +25,28 @@ class Problem:
     depth: int
 
 
-def make_problem(rng: random.Random, depth: int) -> Problem:
+def make_problem(rng: random.Random, depth: int, num_statements: int = NUM_STATEMENTS,
+                 max_distractor: int = MAX_DISTRACTOR) -> Problem:
     """One prompt whose queried chain takes `depth` lookups; the other statements are
-    distractor chains (1..3 long) over distinct letters, all statements shuffled."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth must be in 1..{MAX_DEPTH}, got {depth}")
-    names = rng.sample(string.ascii_lowercase, NUM_STATEMENTS)
-    chains, left, at = [], NUM_STATEMENTS, 0
-    for n in [depth] + [0] * NUM_STATEMENTS:
-        n = n or min(left, rng.randint(1, 3))
-        if left == 0:
-            break
-        chains.append(names[at:at + n])
-        at, left = at + n, left - n
-    statements = []
-    for chain in chains:  # chain[0] = digit; chain[i] = chain[i-1]
-        statements.append(f"{chain[0]}={rng.randint(0, 9)}")
-        statements += [f"{chain[i]}={chain[i - 1]}" for i in range(1, len(chain))]
-    values = {s[0]: s[2] for s in statements if s[2].isdigit()}
-    for chain in chains:
-        for i in range(1, len(chain)):
-            values[chain[i]] = values[chain[0]]
+    distractor chains (1..max_distractor long) over distinct letters, every chain's root a
+    distinct digit, all statements shuffled."""
+    if not 1 <= depth <= min(MAX_DEPTH, num_statements):
+        raise ValueError(f"depth must be in 1..{min(MAX_DEPTH, num_statements)}, got {depth}")
+    lengths, left = [depth], num_statements - depth
+    while left:
+        lengths.append(min(left, rng.randint(1, max_distractor)))
+        left -= lengths[-1]
+    names = rng.sample(string.ascii_lowercase, num_statements)
+    digits = rng.sample(string.digits, len(lengths))
+    statements, at = [], 0
+    for n, digit in zip(lengths, digits):  # chain[0] = digit; chain[i] = chain[i-1]
+        chain = names[at:at + n]
+        at += n
+        statements.append(f"{chain[0]}={digit}")
+        statements += [f"{chain[i]}={chain[i - 1]}" for i in range(1, n)]
+    query = names[depth - 1]
     rng.shuffle(statements)
-    query = chains[0][-1]
-    return Problem(";".join(statements) + f";{query}=?", values[query], depth)
+    return Problem(";".join(statements) + f";{query}=?", digits[0], depth)
 
 
 def make_problems(seed: int, n: int) -> list[Problem]:
