@@ -1,7 +1,7 @@
 """ClusterConfig: which workers to start where, and how they serve. YAML, unknown keys are errors.
 
 The defaults are the embedded default cluster (`configs/cpu-1p1d.yaml`: one prefill and one
-decode worker of the tiny model on a local CPU Ray cluster).
+decode worker of the tiny trained model `tiny-ouro-chains` on a local CPU Ray cluster).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ServerConfig(_Strict):
 
 
 def _default_engine() -> EngineConfig:
-    return EngineConfig(model="tiny-ouro", block_size=4, num_blocks=2048, max_model_len=512,
+    return EngineConfig(model="tiny-ouro-chains", block_size=4, num_blocks=2048, max_model_len=512,
                         max_num_seqs=32)
 
 

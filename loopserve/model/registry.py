@@ -19,6 +19,8 @@ from loopserve.model.ouro import OuroModel
 log = logging.getLogger(__name__)
 MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel,
                                                  DoryConfig: DoryModel}
+# Trained checkpoints shipped as package data; each subdirectory's name is a model name.
+CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
 # Buffers public checkpoints store that we recompute.
 IGNORED_KEYS = {"freqs_cis"}
 
@@ -137,9 +139,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
 
 def resolve_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seed: int = 0) -> LoopedModel:
-    """A directory with safetensors loads; a config name (or a directory with only a
-    config.json, said loudly: its replies are noise) is random-initialised from `seed`."""
+    """A directory with safetensors loads; so does the name of a shipped checkpoint
+    (CHECKPOINT_DIR/<name>); a config name (or a directory with only a config.json, said
+    loudly: its replies are noise) is random-initialised from `seed`."""
     p = Path(name_or_dir)
+    if not p.is_dir() and (CHECKPOINT_DIR / str(name_or_dir)).is_dir():
+        p = CHECKPOINT_DIR / str(name_or_dir)
     if p.is_dir() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
         return load_model(p, dtype, device)
     if p.is_dir():
