@@ -25,6 +25,9 @@ class KVUsage:
     looped: PoolUsage
     flat: PoolUsage
     per_request: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Looped blocks held in each plane (index = plane: one per loop, or one shared): where
+    # the looped pool goes, since requests of different loop counts share it.
+    planes: tuple[int, ...] = ()
 
     @property
     def used_blocks(self) -> int:
@@ -137,7 +140,11 @@ class KVCacheManager:
         per_request = {
             rid: (sum(len(p) for p in t.depth), len(t.flat)) for rid, t in self._tables.items()
         }
-        return KVUsage(pool(self.looped), pool(self.flat), per_request)
+        planes = [0] * max((t.num_planes for t in self._tables.values()), default=0)
+        for t in self._tables.values():
+            for i, plane in enumerate(t.depth):
+                planes[i] += len(plane)
+        return KVUsage(pool(self.looped), pool(self.flat), per_request, tuple(planes))
 
     def check(self) -> None:
         """Pool accounting plus: the tables own exactly the used blocks."""
