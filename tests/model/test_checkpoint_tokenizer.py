@@ -56,6 +56,9 @@ def test_generate_cli_uses_the_directory_tokenizer(tmp_path, capsys):
     tok = save_checkpoint(tmp_path)
     assert main(["generate", "the cat ran", "--model", str(tmp_path), "--max-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # text -> the trained tokenizer's ids (every word known: no [UNK]) -> model -> ids -> text
+    assert out["prompt_token_ids"] == tok.encode("the cat ran").ids
+    assert tok.token_to_id("[UNK]") not in out["prompt_token_ids"]
     assert out["token_ids"] and out["text"] == tok.decode(out["token_ids"])
     assert set(out["text"].split()) <= set(tok.get_vocab())
 
