@@ -1,6 +1,7 @@
 """Colocated vs 1P1D under one seeded Poisson load, in process (the clusters' routers, not a
 server's front): the library behind benchmarks/pd_vs_colocated.py, whose docstring says what
-it prints. Kept here so the benchmark runs from an installed package, not only the source tree.
+it prints. Here, not in benchmarks/, so it is importable from an installed package and
+shares `bench.workload` with the job and the tests.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "throughput_
 
 
 def cluster_config(mode: str, args: argparse.Namespace) -> ClusterConfig:
+    """Tiny CPU engines without --config; else the YAML, its colocated worker given the
+    GPUs of both PD groups so the two modes get the same hardware."""
     if args.config is None:
         engine = {"model": args.model, "block_size": 16, "num_blocks": 4096, "max_model_len": 1024,
                   "max_num_seqs": 64}
