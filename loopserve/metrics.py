@@ -172,6 +172,9 @@ class WorkerCollector(Collector):
             "its KV READ done (the wait for blocks plus the READ).", labels=labels)
         loops = counter("loops", "Loops run: rows x loops of RECURRENT batches (prompt tokens too).")
         preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                          "prefill, every loop, skipped).")
         reads = counter("kv_transfer_reads", "Decode side: KV READs done (one per handoff).")
         read_fail = counter("kv_transfer_failures", "Decode side: KV READs that failed or timed out.")
         read_bytes = counter("kv_transfer_bytes", "Decode side: bytes of KV read.")
@@ -199,6 +202,8 @@ class WorkerCollector(Collector):
                     plane_usage.add_metric(lab + ["looped", str(plane)], n / looped_total)
             loops.add_metric(lab, c["loops_run"])
             preemptions.add_metric(lab, c["preemptions"])
+            pc_queries.add_metric(lab, s["prefix_cache"]["queries"])
+            pc_hits.add_metric(lab, s["prefix_cache"]["hits"])
             if r := s.get("kv_reads"):
                 reads.add_metric(lab, r["count"])
                 read_fail.add_metric(lab, r["failed"])
@@ -210,5 +215,5 @@ class WorkerCollector(Collector):
             if "leases_expired" in s:
                 leases.add_metric(lab, s["leases_expired"])
         yield from (healthy, running, waiting, receiving, transferring, usage, used, plane_used,
-                    plane_usage, loops, preemptions, reads, read_fail, read_bytes, read_s, handoff,
-                    leases)
+                    plane_usage, loops, preemptions, pc_queries, pc_hits, reads, read_fail,
+                    read_bytes, read_s, handoff, leases)

@@ -1,5 +1,7 @@
 """Router: sends a request to an entry worker (prefill or colocated) and its handoff to a decode
-worker, both chosen by load, and streams the request's outputs back to the caller.
+worker, both chosen by load, and streams the request's outputs back to the caller. Among entry
+workers whose load is within PREFIX_LOAD_SLACK of the least loaded, the one sent the longest
+prefix of the prompt before wins (`prefix_index.py`: its prefix cache likely holds it).
 
 One pump thread per worker long-polls `get_events` and dispatches everything new: outputs to
 their streams, handoffs to a decode worker. (Lease renewals and releases go from decode to
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.migration import StreamHistory
+from loopserve.cluster.prefix_index import PrefixIndex, prefix_keys
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.sampling_params import SamplingParams
@@ -49,6 +52,9 @@ from loopserve.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)
+# Requests (queued + running) a worker may have beyond the least loaded one and still be chosen
+# for holding the prompt's prefix: a cached prefix skips its prefill, a longer queue delays it.
+PREFIX_LOAD_SLACK = 4
 
 
 class NoWorkerError(RuntimeError):
@@ -157,6 +163,7 @@ class Router:
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._live: dict[str, str] = {}  # client id -> engine request id
         self._uses: OrderedDict[str, int] = OrderedDict()  # client id -> times used
+        self._prefixes = PrefixIndex()  # prompt prefixes sent to each entry worker
         self._token = uuid.uuid4().hex[:8]  # engine ids of reused client ids: "<id>#<token>-<n>"
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -254,7 +261,9 @@ class Router:
                 raise NoWorkerError("the router is closed")
             if client_id in self._live:
                 raise RequestIdInUseError(f"request_id {client_id!r} is already in use by a live request")
-            entry = self._pick_entry()
+            keys = prefix_keys(prompt)
+            entry = self._pick_entry(keys=keys)
+            self._prefixes.record(entry.id, keys)
             if self._decode and not any(w.routable for w in self._decode):
                 raise NoWorkerError("no healthy decode worker")
             rid = self._engine_id(client_id)
@@ -281,10 +290,18 @@ class Router:
             if self._live.get(st.client_id) == st.request_id:
                 del self._live[st.client_id]
 
-    def _pick_entry(self, avoid: set[str] = frozenset()) -> _WorkerState:
+    def _pick_entry(self, avoid: set[str] = frozenset(), keys: list[bytes] = ()) -> _WorkerState:
+        """The least loaded entry worker, or one near it that was sent the longest prefix of
+        the prompt (`keys`) before."""
         healthy = _preferred(self._entry, avoid)
         if not healthy:
             raise NoWorkerError(f"no healthy {self._entry[0].handle.role} worker")
+        sent = self._prefixes.match(keys) if keys else {}
+        if sent:
+            least = min(w.queue_depth for w in healthy)
+            near = [w for w in healthy if sent.get(w.id) and w.queue_depth <= least + PREFIX_LOAD_SLACK]
+            if near:
+                return max(near, key=lambda w: (sent[w.id], -w.queue_depth, w.free_blocks, -w.sent))
         return min(healthy, key=lambda w: (w.queue_depth, -w.free_blocks, w.sent))
 
     def _pick_decode(self, blocks: int, avoid: set[str] = frozenset()) -> _WorkerState | None:
@@ -484,6 +501,7 @@ class Router:
         whose decode side has started streaming)."""
         with self._lock:
             w.failed, w.error = True, error
+            self._prefixes.forget(w.id)  # its cache is gone with it
             hit = [st.request_id for st in self._streams.values()
                    if st.decode == w.id or (st.entry == w.id and not st.decoding)]
         for rid in hit:

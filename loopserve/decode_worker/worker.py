@@ -115,7 +115,7 @@ class DecodeWorker(TransferHost):
         arrived = self._arrived.pop(rid, now)
         try:
             nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
-                                          msg.num_kv_tokens)
+                                          msg.num_kv_tokens, self.engine.cached_blocks(rid))
         except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
             self._release(msg)
             self.engine.kv_failed(rid, f"KV read could not start: {e}")

@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     num_flat_blocks: int | None = Field(None, ge=1)  # default: num_blocks // max_loops + 1
     max_model_len: int = Field(1024, ge=2)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    # Reuse the K/V of full prompt blocks whose prefix (and loop configuration) was computed
+    # before, on every plane; off for models where a prefix's K/V is not enough (Dory last_loop).
+    enable_prefix_caching: bool = True
     async_scheduling: bool = False
     # GPU paths below are off by default until scripts/gpu_check.sh has passed with them on, on
     # a GPU, at a commit recorded in docs/benchmarks.md (GPU_FEATURES turns them all on).

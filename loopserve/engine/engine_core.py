@@ -24,7 +24,7 @@ from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
+from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout, hash_blocks
 from loopserve.model.registry import resolve_model
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 from loopserve.scheduler import (
@@ -131,12 +131,24 @@ class EngineCore:
 
     def _sched_request(self, req: Request) -> SchedRequest:
         p = req.params
+        planes = self.model.kv_planes(p.max_loops)
         return SchedRequest(
             request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=p.max_tokens,
             min_loops=p.min_loops, max_loops=p.max_loops, priority=p.priority,
-            arrival_time=req.arrival_time, greedy=p.greedy,
-            num_planes=self.model.kv_planes(p.max_loops),
+            arrival_time=req.arrival_time, greedy=p.greedy, num_planes=planes,
+            block_hashes=self._block_hashes(req, planes),
         )
+
+    def _block_hashes(self, req: Request, planes: int) -> tuple[bytes, ...] | None:
+        """Prefix-cache keys of the prompt's full blocks; None when caching is off for it."""
+        if not self.config.enable_prefix_caching:
+            return None
+        extra = self.model.prefix_cache_key(req.seed)
+        if extra is None:
+            return None
+        p = req.params
+        key = (self.config.model, self.config.dtype, p.min_loops, p.max_loops, p.exit_threshold, planes, extra)
+        return hash_blocks(req.prompt_token_ids, self.layout.block_size, key)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -308,6 +320,11 @@ class EngineCore:
         self.runner.sync()
         return self.kv_manager.block_table(h.request_id)
 
+    def cached_blocks(self, request_id: str) -> int:
+        """Decode role: leading blocks of a RECEIVING request that this engine's prefix cache
+        already held; its KV read starts after them."""
+        return self.scheduler.get_request(request_id).cached_blocks
+
     def kv_received(self, request_id: str) -> None:
         self.scheduler.kv_received(request_id)
 
@@ -417,10 +434,14 @@ class EngineCore:
             "kv_planes": list(u.planes),
             "scheduler": self.scheduler.stats(),
             "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
+            "prefix_cache": {**self.kv_manager.prefix_stats.__dict__,
+                             "cached_blocks": len(self.kv_manager.prefix),
+                             "evicted_blocks": self.kv_manager.prefix.num_evicted},
         }
 
     def check_no_leaks(self) -> None:
-        """Pool accounting, and (when idle) every block, state slab row and unread sample gone."""
+        """Pool accounting, and (when idle) every block unreferenced (free, or cached for later
+        prompts), every state slab row and unread sample gone."""
         self.kv_manager.check()
         if not self.has_unfinished():
             u = self.kv_manager.usage()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loopserve.intmath import cdiv
 from loopserve.kv_cache.block_pool import BlockPool
 from loopserve.kv_cache.block_table import BlockTable, KVLayout
+from loopserve.kv_cache.prefix_cache import BlockHash, CachedBlock, PrefixCache
 
 
 class KVCapacityError(ValueError):
@@ -34,12 +37,23 @@ class KVUsage:
         return self.looped.used + self.flat.used
 
 
+@dataclass
+class PrefixStats:
+    """Prompt tokens looked up in the prefix cache at admission, and those found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class KVCacheManager:
     """Allocates every plane of a request together, so all planes cover the same positions.
 
     With `incremental=False` (full reservation) a request is allocated once for its whole
     lifetime; growing it again is a bug and raises. With `incremental=True` tables grow as
-    the scheduler asks.
+    the scheduler asks. A new table may start with cached prefix blocks (`prefix`), shared
+    with other tables by reference count; `cache_blocks` indexes a table's finished prompt
+    blocks. Unreferenced cached blocks count as free: allocation evicts them (after plain free
+    blocks), least recently freed first.
     """
 
     def __init__(self, layout: KVLayout, incremental: bool = False) -> None:
@@ -47,6 +61,8 @@ class KVCacheManager:
         self.incremental = incremental
         self.looped = BlockPool("looped", layout.num_blocks)
         self.flat = BlockPool("flat", layout.num_flat_blocks if layout.has_flat else 0)
+        self.prefix = PrefixCache()
+        self.prefix_stats = PrefixStats()
         self._tables: dict[str, BlockTable] = {}
         self._new_looped: list[int] = []
         self._new_flat: list[int] = []
@@ -70,12 +86,41 @@ class KVCacheManager:
             raise KVCapacityError(f"request {request_id!r} needs {' and '.join(over)}; "
                                   f"block_size {self.layout.block_size}")
 
-    def allocate(self, request_id: str, num_tokens: int, num_planes: int) -> bool:
-        """Grow `request_id`'s planes to cover `num_tokens` positions; False if blocks are short now."""
+    def cached_prefix(self, keys: Sequence[BlockHash], prompt_len: int) -> list[CachedBlock]:
+        """Cached blocks a new request with these block keys can start from. The prompt's last
+        token is never among them: it must run to give the first token's logits."""
+        return self.prefix.lookup(keys[:(prompt_len - 1) // self.layout.block_size])
+
+    def shortfall(self, request_id: str, num_tokens: int, num_planes: int,
+                  prefix: Sequence[CachedBlock] = ()) -> tuple[int, int]:
+        """(looped, flat) blocks missing now for the request to cover `num_tokens` positions,
+        starting from `prefix` if it has no table yet (<= 0: none missing)."""
+        need_l, need_f = self.blocks_needed(num_tokens, num_planes)
+        have_l, have_f = self.blocks_needed(self.capacity(request_id), num_planes)
+        taken_l, taken_f = self._taken_from_free(prefix)
+        hit_l, hit_f = self.blocks_needed(len(prefix) * self.layout.block_size, num_planes)
+        return (max(0, need_l - have_l - hit_l) - (self.looped.num_free - taken_l),
+                max(0, need_f - have_f - hit_f) - (self.flat.num_free - taken_f))
+
+    def _taken_from_free(self, prefix: Sequence[CachedBlock]) -> tuple[int, int]:
+        """Blocks of `prefix` that sit unreferenced in the free queue (a hit takes them out)."""
+        looped = sum(len(e.looped) for e in prefix if self.looped.refs(e.looped[0]) == 0)
+        flat = sum(1 for e in prefix if e.flat is not None and self.flat.refs(e.flat) == 0)
+        return looped, flat
+
+    def allocate(self, request_id: str, num_tokens: int, num_planes: int,
+                 prefix: Sequence[CachedBlock] = ()) -> bool:
+        """Grow `request_id`'s planes to cover `num_tokens` positions, a new table starting
+        with the shared `prefix` blocks; False (nothing changes) if blocks are short now."""
         if num_planes < 1:
             raise ValueError(f"num_planes must be >= 1, got {num_planes}")
         self.check_fits(request_id, num_tokens, num_planes)
         table = self._tables.get(request_id)
+        if prefix and (table is not None or len(prefix) * self.layout.block_size > num_tokens):
+            raise ValueError(f"request {request_id!r}: a cached prefix starts a new table within "
+                             f"{num_tokens} tokens")
+        if any(len(e.looped) != num_planes for e in prefix):
+            raise ValueError(f"request {request_id!r}: a cached block's planes differ from its {num_planes}")
         if table is not None:
             if table.num_planes != num_planes:
                 raise ValueError(
@@ -85,24 +130,48 @@ class KVCacheManager:
                 raise RuntimeError(
                     f"request {request_id!r} was fully reserved; growing it is not allowed"
                 )
-        have = table.num_logical_blocks() if table is not None else 0
-        grow = cdiv(num_tokens, self.layout.block_size) - have
-        if grow <= 0:
-            return True
-        need_flat = grow if self.layout.has_flat else 0
-        if grow * num_planes > self.looped.num_free or need_flat > self.flat.num_free:
+        if max(self.shortfall(request_id, num_tokens, num_planes, prefix)) > 0:
             return False
+        have = table.num_logical_blocks() if table is not None else 0
+        grow = cdiv(num_tokens, self.layout.block_size) - have - len(prefix)
+        if grow <= 0 and not prefix:
+            return True
         if table is None:
             table = self._tables[request_id] = BlockTable([], [[] for _ in range(num_planes)])
+        for e in prefix:  # shared first, so allocating below cannot evict them
+            self.looped.share(list(e.looped))
+            for plane, b in zip(table.depth, e.looped):
+                plane.append(b)
+            if e.flat is not None:
+                self.flat.share([e.flat])
+                table.flat.append(e.flat)
+        if grow <= 0:
+            return True
+        new_looped: list[int] = []
         for plane in table.depth:
             ids = self.looped.allocate(grow)
             plane.extend(ids)
-            self._new_looped.extend(ids)
-        if need_flat:
-            ids = self.flat.allocate(need_flat)
-            table.flat.extend(ids)
-            self._new_flat.extend(ids)
+            new_looped.extend(ids)
+        new_flat = self.flat.allocate(grow) if self.layout.has_flat else []
+        table.flat.extend(new_flat)
+        self.prefix.evict(new_looped, new_flat)
+        self._new_looped.extend(new_looped)
+        self._new_flat.extend(new_flat)
         return True
+
+    def cache_blocks(self, request_id: str, keys: Sequence[BlockHash], start: int) -> None:
+        """Index the request's logical blocks `start..len(keys)-1` under `keys[i]` (their K/V is
+        complete on every plane). A key cached already (by another request) keeps its entry."""
+        table = self._tables[request_id]
+        for i in range(start, len(keys)):
+            flat = table.flat[i] if self.layout.has_flat else None
+            self.prefix.insert(keys[i], CachedBlock(tuple(p[i] for p in table.depth), flat))
+
+    def exclusive_blocks(self, request_id: str) -> tuple[int, int]:
+        """(looped, flat) blocks that freeing the request would unreference (others share the rest)."""
+        t = self._tables[request_id]
+        return (sum(1 for p in t.depth for b in p if self.looped.refs(b) == 1),
+                sum(1 for b in t.flat if self.flat.refs(b) == 1))
 
     def capacity(self, request_id: str) -> int:
         """Positions the request's planes currently cover."""
@@ -113,9 +182,12 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return False
-        for plane in table.depth:
-            self.looped.free(plane)
-        self.flat.free(table.flat)
+        # Last block first: a request's tail blocks are evicted before the prefix they extend.
+        for i in reversed(range(table.num_logical_blocks())):
+            cached = self.prefix.is_cached(table.depth[0][i])
+            self.looped.free([p[i] for p in table.depth], cached)
+            if table.flat:
+                self.flat.free([table.flat[i]], cached)
         return True
 
     def has(self, request_id: str) -> bool:
@@ -130,9 +202,6 @@ class KVCacheManager:
         self._new_looped, self._new_flat = [], []
         return looped, flat
 
-    def num_free_blocks(self) -> tuple[int, int]:
-        return self.looped.num_free, self.flat.num_free
-
     def usage(self) -> KVUsage:
         def pool(p: BlockPool) -> PoolUsage:
             return PoolUsage(used=p.num_used, free=p.num_free, total=p.num_blocks)
@@ -140,23 +209,29 @@ class KVCacheManager:
         per_request = {
             rid: (sum(len(p) for p in t.depth), len(t.flat)) for rid, t in self._tables.items()
         }
-        planes = [0] * max((t.num_planes for t in self._tables.values()), default=0)
+        # distinct ids: a prefix-cached block is shared by several tables but held once
+        planes: list[set[int]] = [set() for _ in range(max((t.num_planes for t in self._tables.values()),
+                                                          default=0))]
         for t in self._tables.values():
             for i, plane in enumerate(t.depth):
-                planes[i] += len(plane)
-        return KVUsage(pool(self.looped), pool(self.flat), per_request, tuple(planes))
+                planes[i].update(plane)
+        return KVUsage(pool(self.looped), pool(self.flat), per_request, tuple(len(p) for p in planes))
 
     def check(self) -> None:
-        """Pool accounting plus: the tables own exactly the used blocks."""
+        """Pool accounting plus: each block's reference count is the number of tables holding
+        it, and cached blocks are valid ids."""
         self.looped.check()
         self.flat.check()
-        owned_looped = [b for t in self._tables.values() for p in t.depth for b in p]
-        owned_flat = [b for t in self._tables.values() for b in t.flat]
-        if len(owned_looped) != self.looped.num_used or len(set(owned_looped)) != len(owned_looped):
-            raise AssertionError(
-                f"looped pool: tables own {len(owned_looped)} blocks, pool says {self.looped.num_used} used"
-            )
-        if len(owned_flat) != self.flat.num_used or len(set(owned_flat)) != len(owned_flat):
-            raise AssertionError(
-                f"flat pool: tables own {len(owned_flat)} blocks, pool says {self.flat.num_used} used"
-            )
+        for name, pool, owned in (
+            ("looped", self.looped, Counter(b for t in self._tables.values() for p in t.depth for b in p)),
+            ("flat", self.flat, Counter(b for t in self._tables.values() for b in t.flat)),
+        ):
+            wrong = [b for b in range(pool.num_blocks) if pool.refs(b) != owned.get(b, 0)]
+            if wrong:
+                b = wrong[0]
+                raise AssertionError(f"{name} pool: block {b} has {pool.refs(b)} references, "
+                                     f"tables hold it {owned.get(b, 0)} times")
+        looped, flat = self.prefix.blocks()
+        if not all(0 <= b < self.looped.num_blocks for b in looped) or \
+                not all(0 <= b < self.flat.num_blocks for b in flat):
+            raise AssertionError("prefix cache indexes a block outside its pool")

@@ -252,8 +252,8 @@ class NixlKVWorker:
 
     # ------------------------------------------------------------------ reads (decode side)
     def _block_ids(self, request_id: str, side: str, table: BlockTable, layouts: dict[str, PoolLayout],
-                   n: int) -> np.ndarray:
-        """Descriptor indices of the first n blocks of every plane of `table`, range-checked."""
+                   n: int, first: int = 0) -> np.ndarray:
+        """Descriptor indices of blocks first..n-1 of every plane of `table`, range-checked."""
         planes = [("looped", f"depth[{d}]", ids) for d, ids in enumerate(table.depth)]
         if "flat" in layouts:
             planes.append(("flat", "flat", table.flat))
@@ -265,7 +265,7 @@ class NixlKVWorker:
             if len(ids) < n:
                 raise ValueError(f"{request_id}: {side} table {plane} has {len(ids)} blocks, "
                                  f"fewer than the {n} the read covers")
-            a = np.asarray(ids[:n], dtype=np.int64)
+            a = np.asarray(ids[first:n], dtype=np.int64)
             limit = layouts[pool].num_blocks
             bad = a[(a < 0) | (a >= limit)]
             if bad.size:
@@ -284,8 +284,9 @@ class NixlKVWorker:
                              f"appears twice in the local table")
 
     def start_read(self, request_id: str, peer_engine_id: str, remote_table: BlockTable | dict,
-                   local_table: BlockTable | dict, num_tokens: int) -> int:
-        """Post one READ of the blocks covering `num_tokens` positions on every plane.
+                   local_table: BlockTable | dict, num_tokens: int, first_block: int = 0) -> int:
+        """Post one READ of the blocks covering `num_tokens` positions on every plane, from
+        block `first_block` on (the reader's prefix cache holds the ones before).
 
         Returns the bytes it moves; completion is reported by `poll()`, and the peer gets a
         `read` notification naming the request.
@@ -305,8 +306,10 @@ class NixlKVWorker:
                              f"table {local_t.num_planes}; they must be equal and >= 1")
         peer = self._peers[peer_engine_id]
         n = cdiv(num_tokens, self.block_size)
-        remote = self._block_ids(request_id, "remote", remote_t, peer.layouts, n)
-        local = self._block_ids(request_id, "local", local_t, self.layouts, n)
+        if not isinstance(first_block, int) or not 0 <= first_block < n:
+            raise ValueError(f"{request_id}: first_block must be in [0, {n}), got {first_block!r}")
+        remote = self._block_ids(request_id, "remote", remote_t, peer.layouts, n, first_block)
+        local = self._block_ids(request_id, "local", local_t, self.layouts, n, first_block)
         self._check_no_repeats(request_id, local)
         order = np.argsort(local, kind="stable")  # adjacent on both sides -> NIXL merges them
         notif = json.dumps({"kind": "read", "ids": [request_id]}).encode()
@@ -319,7 +322,7 @@ class NixlKVWorker:
             handle.release()
             raise KVTransferError(f"{request_id}: NIXL could not post the READ from {peer_engine_id!r}")
         pools = [p for p in POOLS if p in self.layouts]
-        nbytes = sum(n * self.layouts[p].block_bytes * (local_t.num_planes if p == "looped" else 1) for p in pools)
+        nbytes = sum((n - first_block) * self.layouts[p].block_bytes * (local_t.num_planes if p == "looped" else 1) for p in pools)
         self._inflight[request_id] = _Read(handle, nbytes)
         return nbytes
 

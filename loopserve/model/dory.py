@@ -186,6 +186,12 @@ class DoryModel(LoopedModel):
         """1-based plane that loop `depth` writes and reads."""
         return 1 if self.last_loop_kv else depth
 
+    def prefix_cache_key(self, seed: int) -> tuple | None:
+        """last_loop: a prompt token's loop-d attention reads the earlier prompt tokens' loop-d
+        K/V, but a finished prefix's one plane holds only its last loop's, so a cached prefix
+        would change the tokens after it: never cached."""
+        return None if self.last_loop_kv else ()
+
     # -- shared pieces (paged path and dense reference) -----------------------------------
     def rotations(self, positions: torch.Tensor) -> dict[str, Rotation]:
         """RoPE angles per layer type, once per Operation."""

@@ -21,6 +21,8 @@ class SchedRequest:
     arrival_time: float = 0.0
     greedy: bool = True
     num_planes: int | None = None  # looped-layer KV planes; None = max_loops (one per depth)
+    # prefix-cache keys of the prompt's full blocks (kv_cache/prefix_cache.py); None: not cached
+    block_hashes: tuple[bytes, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -85,6 +87,7 @@ class RequestState:
     ready_tick: int = 0  # when its pending work became ready (fairness across lanes)
     in_flight: int = 0  # batch id holding it; 0 = none
     offloaded_tokens: int = 0  # > 0: KV is on the host, covering this many positions
+    cached_blocks: int = 0  # leading prompt blocks in the prefix cache (hit or indexed by it)
     kv_landed: bool = False  # decode role: the KV read finished
     num_preemptions: int = 0
     request_id: str = field(init=False)  # copied out of `request`: read on every hot path

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from loopserve.kv_cache import KVCacheManager
+from loopserve.kv_cache import CachedBlock, KVCacheManager
 from loopserve.scheduler.batch import (
     BatchResult,
     ScheduledBatch,
@@ -30,7 +30,7 @@ from loopserve.scheduler.policy import POLICIES, Plan
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan
 from loopserve.scheduler.queues import RankedFifo, WorkQueues
-from loopserve.scheduler.request import RequestState, SchedRequest
+from loopserve.scheduler.request import RequestState, SchedRequest, Unit
 from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 
 S = RequestStatus
@@ -98,7 +98,8 @@ class Scheduler:
 
     def add_receiving(self, req: SchedRequest, num_computed_tokens: int) -> bool:
         """Decode role: blocks for a prefilled request whose KV is about to be read (RECEIVING,
-        no slot). False when the blocks are not free now (nothing is allocated)."""
+        no slot), starting from the prompt's cached prefix (`cached_blocks`: not read). False
+        when the blocks are not free now (nothing is allocated)."""
         if self.config.role != "decode":
             raise ValueError(f"add_receiving needs role='decode', this scheduler is role={self.config.role!r}")
         self._check_new(req)
@@ -109,10 +110,15 @@ class Scheduler:
                 f"max_tokens - 2 ({p + req.max_tokens - 2})], got {n!r}"
             )
         tokens = n if self.config.incremental_kv else self._lifetime_tokens(req)
-        if not self.kv.allocate(req.request_id, tokens, req.planes):
+        prefix = self.kv.cached_prefix(req.block_hashes, p) if req.block_hashes else []
+        if not self.kv.allocate(req.request_id, tokens, req.planes, prefix):
             return False
         st = self._new_state(req, S.RECEIVING)
         st.done, st.n_out = n, n - p + 1  # the first token was sampled on the prefill side
+        st.cached_blocks = len(prefix)  # the KV read skips these
+        if req.block_hashes is not None:
+            self.kv.prefix_stats.queries += p
+            self.kv.prefix_stats.hits += len(prefix) * self.kv.layout.block_size
         return True
 
     def kv_received(self, request_id: str) -> bool:
@@ -323,6 +329,9 @@ class Scheduler:
                 continue
             res = results[rid]
             outcome = Outcome.FINISHED if res.finished else after(st, item, res, cfg, bid)
+            keys = st.request.block_hashes
+            if keys and st.cached_blocks < len(keys) and op is not Operation.PRELUDE:
+                self._cache_prompt_blocks(st, keys, op, res.finished)
             if outcome is going_on:
                 cont.append(st)
             elif outcome is Outcome.FINISHED:
@@ -334,6 +343,17 @@ class Scheduler:
                 events.transferring.append(rid)
         self._push(cont)
         return events
+
+    def _cache_prompt_blocks(self, st: RequestState, keys: tuple[bytes, ...], op: Operation,
+                             finished: bool) -> None:
+        """Index the prompt's full blocks whose K/V is now complete on every plane."""
+        done = st.done
+        if finished and op is Operation.CODA and st.unit in (Unit.ATOMIC, Unit.CHUNK):
+            done = st.rows[-1] + 1  # the prompt's last coda ran; nothing advanced `done`
+        n = min(len(keys), done // self.kv.layout.block_size)
+        if n > st.cached_blocks:
+            self.kv.cache_blocks(st.request_id, keys[:n], st.cached_blocks)
+            st.cached_blocks = n
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -348,8 +368,13 @@ class Scheduler:
             need_slot = len(slots) >= cfg.max_num_seqs
             if need_slot and not can_preempt:
                 break
-            short = self._shortfall(st, self._admission_tokens(st))
+            prefix = self._admission_prefix(st)
+            tokens = self._admission_tokens(st, len(prefix))
+            short = self.kv.shortfall(st.request_id, tokens, st.request.planes, prefix)
             if need_slot or short[0] > 0 or short[1] > 0:
+                if short[0] > 0 or short[1] > 0:
+                    # Victims may hold the prefix's blocks: free room for the whole run.
+                    short = self.kv.shortfall(st.request_id, tokens, st.request.planes)
                 if not (can_preempt and self._make_room(st, need_slot, short, admission=True)):
                     can_preempt = False  # requests behind it rank no better: one failed dry run per step
                     if need_slot:
@@ -363,9 +388,16 @@ class Scheduler:
                 if bypass_left == 0:
                     break
 
-    def _admission_tokens(self, st: RequestState) -> int:
+    def _admission_prefix(self, st: RequestState) -> list[CachedBlock]:
+        """Cached blocks a first admission starts from (none for a resident or offloaded run)."""
+        req = st.request
+        if not req.block_hashes or st.done or st.offloaded_tokens or self.kv.has(st.request_id):
+            return []
+        return self.kv.cached_prefix(req.block_hashes, req.prompt_len)
+
+    def _admission_tokens(self, st: RequestState, cached_blocks: int) -> int:
         """Positions to hold before activation: nothing if resident, the offloaded run, the
-        whole lifetime (full reservation) or the first unit (incremental)."""
+        whole lifetime (full reservation) or the cached prefix and first unit (incremental)."""
         if self.kv.has(st.request_id):
             return 0
         if st.offloaded_tokens:
@@ -373,24 +405,23 @@ class Scheduler:
         req = st.request
         if not self.config.incremental_kv:
             return self._lifetime_tokens(req)
-        return min(req.prompt_len, self.config.prefill_chunk_size or req.prompt_len)
-
-    def _shortfall(self, st: RequestState, tokens: int) -> tuple[int, int]:
-        """(looped, flat) blocks missing for `st` to cover `tokens` positions."""
-        rid = st.request_id
-        planes = st.request.planes
-        need_l, need_f = self.kv.blocks_needed(tokens, planes)
-        have_l, have_f = self.kv.blocks_needed(self.kv.capacity(rid), planes)
-        free_l, free_f = self.kv.num_free_blocks()
-        return max(0, need_l - have_l) - free_l, max(0, need_f - have_f) - free_f
+        cached = cached_blocks * self.kv.layout.block_size
+        return min(req.prompt_len, cached + (self.config.prefill_chunk_size or req.prompt_len))
 
     def _load_kv(self, st: RequestState) -> None:
-        tokens = self._admission_tokens(st)
+        prefix = self._admission_prefix(st)
+        tokens = self._admission_tokens(st, len(prefix))
         if not tokens:
             return
-        rid = st.request_id
-        if not self.kv.allocate(rid, tokens, st.request.planes):
+        rid, req = st.request_id, st.request
+        if not self.kv.allocate(rid, tokens, req.planes, prefix):
             raise RuntimeError(f"{rid}: blocks vanished between the check and the allocation")
+        if req.block_hashes is not None and not st.done and not st.offloaded_tokens:
+            # A first admission: the cached prefix's prompt work (every loop of it) is skipped.
+            st.cached_blocks = len(prefix)
+            st.done = len(prefix) * self.kv.layout.block_size
+            self.kv.prefix_stats.queries += req.prompt_len
+            self.kv.prefix_stats.hits += st.done
         if st.offloaded_tokens:
             self._swap_in.append((rid, self.kv.block_table(rid).copy()))
             st.offloaded_tokens = 0
@@ -432,15 +463,16 @@ class Scheduler:
                     yield v
 
     def _resident_blocks(self, st: RequestState) -> tuple[int, int]:
-        t = self.kv.block_table(st.request_id)
-        return sum(len(p) for p in t.depth), len(t.flat)
+        """What preempting `st` frees: blocks other tables share stay."""
+        return self.kv.exclusive_blocks(st.request_id)
 
     def _grow(self, st: RequestState, tokens: int) -> bool:
         """Incremental KV: cover `tokens` positions, preempting by capacity if blocks are short."""
         rid = st.request_id
         if self.kv.capacity(rid) >= tokens or self.kv.allocate(rid, tokens, st.request.planes):
             return True
-        if not self._make_room(st, False, self._shortfall(st, tokens), admission=False):
+        if not self._make_room(st, False, self.kv.shortfall(rid, tokens, st.request.planes),
+                               admission=False):
             return False
         if not self.kv.allocate(rid, tokens, st.request.planes):
             raise RuntimeError(f"{rid}: blocks vanished between the preemption and the allocation")

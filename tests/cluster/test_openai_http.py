@@ -235,6 +235,8 @@ def test_metrics_agree_with_a_run(client, server):
     worker = '{"role": "colocated", "worker": "colocated-inproc"}'
     assert after[f"loopserve:worker_healthy{worker}"] == 1
     assert delta(f"loopserve:loops_total{worker}") >= sum(depths)  # prompt tokens loop too
+    assert delta(f"loopserve:prefix_cache_queries_total{worker}") == 3 * len(b"count me")
+    assert delta(f"loopserve:prefix_cache_hits_total{worker}") == 0  # shorter than a block
 
 
 def test_kv_usage_per_plane_agrees_with_a_running_request(client, server, colocated_worker):

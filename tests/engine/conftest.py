@@ -122,7 +122,8 @@ def run_pd(p: EngineCore, d: EngineCore, timeout_s: float = 60) -> PDRun:
             table = d.add_handoff(h)
             assert table is not None
             run.states_d.setdefault(h.request_id, []).append(d.scheduler.get_request(h.request_id).status)
-            dw.start_read(h.request_id, h.prefill_engine_id, h.block_table, table.to_dict(), h.num_kv_tokens)
+            dw.start_read(h.request_id, h.prefill_engine_id, h.block_table, table.to_dict(), h.num_kv_tokens,
+                          d.cached_blocks(h.request_id))
         done, failed = dw.poll()
         assert not failed
         for rid in done:

@@ -158,6 +158,24 @@ def test_concurrent_random_reads_land_bitwise_and_notify_the_owner(owner, reader
     assert sorted(notes["read"]) == sorted(reqs) and notes["release"] == notes["renew"] == []
 
 
+def test_read_from_a_first_block_leaves_the_cached_prefix_alone(owner, reader):
+    """The decode side's prefix cache holds the first blocks: only the rest move."""
+    remote = {"flat": [4, 5, 6, 7], "depth": [[8, 9, 10, 11], [0, 1, 2, 3], [12, 13, 14, 15]]}
+    local = {"flat": [20, 21, 22, 23], "depth": [[30, 31, 32, 33], [40, 41, 42, 43], [50, 51, 52, 53]]}
+    nbytes = reader.start_read("tail", OWNER, remote, local, 4 * BLOCK_SIZE, first_block=3)
+    assert nbytes == 3 * block_bytes("looped") + block_bytes("flat")
+    assert wait_reads(reader, ["tail"], 30) == (["tail"], [])
+    src, dst = owner.data(), reader.pools
+    for pool, lo, re in block_pairs(remote, local, 4):
+        same = torch.equal(dst[pool][lo].view(torch.int16), src[pool][re].view(torch.int16))
+        assert same == (lo % 10 == 3), (pool, lo)
+    assert owner.notes(count=1)["read"] == ["tail"]
+    with pytest.raises(ValueError, match="first_block"):
+        reader.start_read("all-cached", OWNER, remote, local, 4 * BLOCK_SIZE, first_block=4)
+    for t in reader.pools.values():
+        t.fill_(SENTINEL)
+
+
 def test_contiguous_runs_move_as_one_descriptor_per_pool(owner, reader):
     # The planes are listed out of address order: the merge must not depend on table order.
     remote = {"flat": [4, 5, 6, 7], "depth": [[8, 9, 10, 11], [0, 1, 2, 3], [4, 5, 6, 7]]}

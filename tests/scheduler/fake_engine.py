@@ -8,7 +8,9 @@ on the plane it reads, so a block freed while in use, a missed swap or a wrong t
 as a missing marker. It also tracks each row's loop depth and each request's tokens, so an
 item that skips a loop, loops an exited row, runs a coda early or reads a token that does
 not exist fails. Exits are random within [min_loops, max_loops], finishes are random, and
-retiring can lag scheduling (async).
+retiring can lag scheduling (async). With prefix caching a full prompt block's marker names
+its content (its prefix-cache key) instead of its request, so a request finds the markers of
+a prefix another request computed, and no request may write into a block another one holds.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class FakeEngine:
         self.flat: dict[int, list[Marker | None]] = {}
         self.host: dict[str, tuple[list, list]] = {}
         self.tracks: dict[str, Track] = {}
+        self.keys: dict[str, tuple[bytes, ...]] = {}  # prefix-cache keys of a request's prompt blocks
         self.pipeline: list[tuple[ScheduledBatch, BatchResult]] = []
         self.batches: list[ScheduledBatch] = []
         self.finished: dict[str, int] = {}  # request -> output tokens at finish
@@ -87,8 +90,16 @@ class FakeEngine:
     def _slot(self, pool: dict, block: int) -> list:
         return pool.setdefault(block, [None] * self.bs)
 
+    def marker(self, rid: str, pos: int) -> Marker:
+        """What position `pos` of `rid` holds: its content (a cached prompt block's key) or its request."""
+        keys, b = self.keys.get(rid, ()), pos // self.bs
+        return (keys[b] if b < len(keys) else rid, pos)
+
     def write(self, table_plane: list[int], pool: dict, rid: str, pos: int) -> None:
-        self._slot(pool, table_plane[pos // self.bs])[pos % self.bs] = (rid, pos)
+        block = table_plane[pos // self.bs]
+        kv_pool = self.kv.flat if pool is self.flat else self.kv.looped
+        assert kv_pool.refs(block) == 1, f"{rid}: writes position {pos} into block {block}, shared"
+        self._slot(pool, block)[pos % self.bs] = self.marker(rid, pos)
 
     def read(self, table_plane: list[int], pool: dict, pos: int) -> Marker | None:
         return self._slot(pool, table_plane[pos // self.bs])[pos % self.bs]
@@ -127,14 +138,18 @@ class FakeEngine:
             self.swaps.append(("in", rid))
 
     def read_kv_from(self, prefill: FakeEngine, rid: str) -> None:
-        """The decode side's NIXL READ: copy the prompt's markers, every plane, block by block."""
+        """The decode side's NIXL READ: copy the prompt's markers, every plane, block by block,
+        after the blocks this side's prefix cache already held."""
         self.zero_new_blocks()  # fresh blocks are zeroed before the read lands (as the engine does)
         src, dst = prefill.kv.block_table(rid), self.kv.block_table(rid)
+        if rid in prefill.keys:
+            self.keys[rid] = prefill.keys[rid]
         n = cdiv(prefill.tracks[rid].prompt_len, self.bs)
+        first = self.sched.get_request(rid).cached_blocks
         for s_plane, d_plane in zip(src.depth, dst.depth):
-            for sb, db in zip(s_plane[:n], d_plane[:n]):
+            for sb, db in zip(s_plane[first:n], d_plane[first:n]):
                 self.looped[db] = list(prefill.looped[sb])
-        for sb, db in zip(src.flat[:n], dst.flat[:n]):
+        for sb, db in zip(src.flat[first:n], dst.flat[first:n]):
             self.flat[db] = list(prefill.flat[sb])
 
     # ------------------------------------------------------------------ execution
@@ -183,10 +198,12 @@ class FakeEngine:
     def _context(self, rid: str, plane: list[int], pool: dict, upto: int, what: str) -> None:
         for q in range(upto + 1):
             m = self.read(plane, pool, q)
-            assert m == (rid, q), f"{rid}: {what} reads position {q}, finds {m}"
+            assert m == self.marker(rid, q), f"{rid}: {what} reads position {q}, finds {m}"
 
     def _prelude(self, rid: str, t: Track, item: BatchItem) -> ItemResult:
         pos = item.positions
+        if t.cursor == 0:  # the first PRELUDE starts after the cached prefix, every loop of it skipped
+            t.cursor = self.sched.get_request(rid).cached_blocks * self.bs
         assert pos == tuple(range(t.cursor, t.cursor + len(pos))), f"{rid}: prelude {pos} at cursor {t.cursor}"
         assert pos[-1] < t.prompt_len + t.n_out + t.drafts, f"{rid}: prelude of a token not produced yet"
         table = self.kv.block_table(rid)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loopserve.kv_cache import KVCacheManager, KVLayout
+from loopserve.kv_cache import KVCacheManager, KVLayout, hash_blocks
 from loopserve.scheduler import Scheduler, SchedulerConfig, SchedRequest, SpeculativeConfig
 from tests.scheduler.fake_engine import FakeEngine
 
@@ -31,10 +31,16 @@ def make_scheduler(blocks: int = 200, block_size: int = 2, flat: bool = True,
 
 def add(engine: FakeEngine, i: int | str, prompt_len: int = 5, max_tokens: int = 4,
         min_loops: int = 1, max_loops: int = 3, priority: int = 0, greedy: bool = True,
-        num_planes: int | None = None) -> str:
+        num_planes: int | None = None, prompt: int | None = None) -> str:
+    """`prompt`: prefix caching on, the prompt's tokens all `prompt` (equal values share prefixes)."""
     rid = i if isinstance(i, str) else f"r{i}"
+    keys = None
+    if prompt is not None:
+        keys = hash_blocks([prompt] * prompt_len, engine.bs, (min_loops, max_loops, num_planes))
+        engine.keys[rid] = keys
     engine.sched.add_request(SchedRequest(rid, prompt_len, max_tokens, min_loops, max_loops,
-                                          priority=priority, greedy=greedy, num_planes=num_planes))
+                                          priority=priority, greedy=greedy, num_planes=num_planes,
+                                          block_hashes=keys))
     engine.track(rid, prompt_len, max_tokens, min_loops, max_loops)
     return rid
 
