@@ -27,7 +27,7 @@ from loopserve.cluster.protocol import request_to_proto
 from loopserve.cluster.proto import loopserve_pb2 as pb
 from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
 from loopserve.cluster.server import Server
-from loopserve.cluster.workload import WorkItem, make_workload, percentile
+from loopserve.bench.workload import WorkItem, make_workload, percentile
 
 IDLE_TIMEOUT_S = 60.0
 

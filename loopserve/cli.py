@@ -44,8 +44,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.config, **overrides)
     for out in llm.generate(args.prompts, _sampling(args)):
         if args.json:
-            print(json.dumps({"request_id": out.request_id, "text": out.text,
-                              "token_ids": out.token_ids, "exit_depths": out.exit_depths,
+            print(json.dumps({"request_id": out.request_id, "prompt_token_ids": out.prompt_token_ids,
+                              "text": out.text, "token_ids": out.token_ids,
+                              "exit_depths": out.exit_depths,
                               "finish_reason": out.finish_reason}))
         else:
             print(f"--- {out.request_id} ({out.finish_reason}; exit depths {out.exit_depths})")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from loopserve.engine.outputs import RequestOutput
@@ -163,6 +163,13 @@ class WorkerCollector(Collector):
                              "its reader.")
         usage = gauge("kv_cache_usage_perc", "Fraction of a KV pool's blocks in use (0-1).", ("pool",))
         used = gauge("kv_cache_used_blocks", "KV blocks in use.", ("pool",))
+        plane_used = gauge("kv_cache_plane_used_blocks", "Looped-pool blocks held in one KV plane "
+                           "(one plane per loop, or one shared).", ("pool", "plane"))
+        plane_usage = gauge("kv_cache_plane_usage_perc", "Fraction of the looped pool's blocks held "
+                            "in one KV plane (0-1).", ("pool", "plane"))
+        handoff = HistogramMetricFamily(
+            PREFIX + "handoff_latency_seconds", "Decode side: a handoff's arrival at the worker to "
+            "its KV READ done (the wait for blocks plus the READ).", labels=labels)
         loops = counter("loops", "Loops run: rows x loops of RECURRENT batches (prompt tokens too).")
         preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -188,6 +195,11 @@ class WorkerCollector(Collector):
                 if u["total"]:
                     usage.add_metric(lab + [pool], u["used"] / u["total"])
                     used.add_metric(lab + [pool], u["used"])
+            looped_total = s["kv"]["looped"]["total"]
+            for plane, n in enumerate(s.get("kv_planes", ())):
+                plane_used.add_metric(lab + ["looped", str(plane)], n)
+                if looped_total:
+                    plane_usage.add_metric(lab + ["looped", str(plane)], n / looped_total)
             loops.add_metric(lab, c["loops_run"])
             preemptions.add_metric(lab, c["preemptions"])
             pc_queries.add_metric(lab, s["prefix_cache"]["queries"])
@@ -197,7 +209,11 @@ class WorkerCollector(Collector):
                 read_fail.add_metric(lab, r["failed"])
                 read_bytes.add_metric(lab, r["bytes"])
                 read_s.add_metric(lab, r["seconds"])
+            if h := s.get("handoff_latency"):
+                buckets = [(repr(float(le)), n) for le, n in zip(h["le"], h["counts"])]
+                handoff.add_metric(lab, buckets + [("+Inf", h["count"])], h["sum"])
             if "leases_expired" in s:
                 leases.add_metric(lab, s["leases_expired"])
-        yield from (healthy, running, waiting, receiving, transferring, usage, used, loops,
-                    preemptions, pc_queries, pc_hits, reads, read_fail, read_bytes, read_s, leases)
+        yield from (healthy, running, waiting, receiving, transferring, usage, used, plane_used,
+                    plane_usage, loops, preemptions, pc_queries, pc_hits, reads, read_fail,
+                    read_bytes, read_s, handoff, leases)

@@ -15,9 +15,9 @@ import logging
 import sys
 import time
 
+from loopserve.bench.workload import make_workload, run_workload, summarize
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import add_server_args, load_cluster_config, server_overrides
-from loopserve.cluster.workload import make_workload, run_workload, summarize
 
 
 def build_parser() -> argparse.ArgumentParser:

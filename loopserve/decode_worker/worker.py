@@ -9,6 +9,11 @@ freed under a backlogged reader; a handoff it drops unread gets a `release`.
 Blocks a READ writes into are freed only once NIXL reports the READ finished, even when the
 request was aborted or its READ timed out (the caller is told at once; the blocks wait).
 Otherwise a late write could land in blocks that already belong to another request.
+
+Handoff latency is measured here, on one clock: from the handoff's arrival at this worker
+(`submit_handoff`) to its READ done (the KV in place, the request ready to decode). It covers
+the wait for blocks and the READ; the hop from the prefill side is left out because the two
+workers' clocks need not agree.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from loopserve.engine.handoff import HandoffMessage
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
+# Upper bounds (seconds) of the handoff-latency histogram; stats() carries them, so the front
+# renders the histogram without knowing them.
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class DecodeWorker(TransferHost):
@@ -33,11 +41,15 @@ class DecodeWorker(TransferHost):
         self.tracker = ReceiveTracker(timeout_s=self.transfer.get("read_timeout_s", 30.0))
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
         self._inbox: deque[HandoffMessage] = deque()  # waiting for blocks
-        self._reading: dict[str, tuple[HandoffMessage, float, int]] = {}  # READ in flight: (msg, t0, bytes)
+        self._arrived: dict[str, float] = {}  # queued handoff -> when it arrived
+        # READ in flight: (msg, READ start, bytes, arrival)
+        self._reading: dict[str, tuple[HandoffMessage, float, int, float]] = {}
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
         self._next_heartbeat = 0.0
         self._peers: dict[str, str] = {}  # prefill engine id -> its NIXL agent name
         self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self.handoff_latency = {"le": list(HANDOFF_BUCKETS), "counts": [0] * len(HANDOFF_BUCKETS),
+                                "count": 0, "sum": 0.0}  # counts[i]: latencies <= le[i]
 
     def add_peer(self, info: dict) -> None:
         """Handshake with a prefill worker. Repeating it is a no-op (several routers may start
@@ -56,6 +68,7 @@ class DecodeWorker(TransferHost):
                 return False
             self._check_healthy()
             self._inbox.append(message)
+            self._arrived[message.request_id] = time.monotonic()
             self._accepted += 1
             self._refresh_load()
         self._wake.set()
@@ -86,6 +99,7 @@ class DecodeWorker(TransferHost):
                 table = self.engine.add_handoff(msg)
             except ValueError as e:  # a duplicate id or an impossible request: fail it alone
                 self._inbox.popleft()
+                self._arrived.pop(msg.request_id, None)
                 self._release(msg)
                 self._publish([RequestOutput.ended(msg.request_id, "error", str(e))])
                 continue
@@ -98,6 +112,7 @@ class DecodeWorker(TransferHost):
 
     def _start_read(self, msg: HandoffMessage, table, now: float) -> bool:
         rid = msg.request_id
+        arrived = self._arrived.pop(rid, now)
         try:
             nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
                                           msg.num_kv_tokens, self.engine.cached_blocks(rid))
@@ -107,14 +122,14 @@ class DecodeWorker(TransferHost):
             self.traces.record(rid, "FINISHED")
             return False
         self.tracker.start(rid, now)
-        self._reading[rid] = (msg, now, nbytes)
+        self._reading[rid] = (msg, now, nbytes, arrived)
         return True
 
     def _read_finished(self, request_id: str, error: str | None) -> None:
         entry = self._reading.pop(request_id, None)
         if entry is None:
             return
-        msg, t0, nbytes = entry
+        msg, t0, nbytes, arrived = entry
         self.tracker.done(request_id)
         if request_id in self._dropped:  # the caller already has its final output
             self._dropped.discard(request_id)
@@ -123,7 +138,9 @@ class DecodeWorker(TransferHost):
         if error is None:
             self.reads["count"] += 1
             self.reads["bytes"] += nbytes
-            self.reads["seconds"] += time.monotonic() - t0
+            now = time.monotonic()
+            self.reads["seconds"] += now - t0
+            self._observe_handoff(now - arrived)
             self.engine.kv_received(request_id)
             return
         self.reads["failed"] += 1
@@ -131,6 +148,14 @@ class DecodeWorker(TransferHost):
         self._release(msg)
         self.engine.kv_failed(request_id, error)
         self.traces.record(request_id, "FINISHED")
+
+    def _observe_handoff(self, seconds: float) -> None:
+        h = self.handoff_latency
+        h["count"] += 1
+        h["sum"] += seconds
+        for i, le in enumerate(h["le"]):
+            if seconds <= le:
+                h["counts"][i] += 1
 
     def _read_timed_out(self, request_id: str) -> None:
         """Fail the request now; its blocks stay reserved until NIXL reports the READ over."""
@@ -153,7 +178,7 @@ class DecodeWorker(TransferHost):
             return
         self._next_heartbeat = now + self.heartbeat_s
         renew: dict[str, list[str]] = {}
-        waiting = [*self._inbox, *(m for m, _, _ in self._reading.values())]
+        waiting = [*self._inbox, *(entry[0] for entry in self._reading.values())]
         for msg in waiting:
             if msg.request_id not in self._dropped:
                 renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
@@ -176,6 +201,7 @@ class DecodeWorker(TransferHost):
         for msg in self._inbox:
             if msg.request_id == request_id:
                 self._inbox.remove(msg)
+                self._arrived.pop(request_id, None)
                 self._release(msg)
                 self.traces.record(request_id, "FINISHED")
                 return True
@@ -183,5 +209,7 @@ class DecodeWorker(TransferHost):
 
     def stats(self) -> dict:
         with self._lock:
+            h = self.handoff_latency
             return {**super().stats(), "kv_reads": dict(self.reads),
+                    "handoff_latency": {**h, "counts": list(h["counts"])},
                     "inbox": len(self._inbox), "reading": len(self._reading)}

@@ -431,6 +431,7 @@ class EngineCore:
         u = self.kv_manager.usage()
         return {
             "kv": {"looped": u.looped.__dict__, "flat": u.flat.__dict__},
+            "kv_planes": list(u.planes),
             "scheduler": self.scheduler.stats(),
             "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
             "prefix_cache": {**self.kv_manager.prefix_stats.__dict__,

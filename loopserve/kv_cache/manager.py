@@ -28,6 +28,9 @@ class KVUsage:
     looped: PoolUsage
     flat: PoolUsage
     per_request: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Looped blocks held in each plane (index = plane: one per loop, or one shared): where
+    # the looped pool goes, since requests of different loop counts share it.
+    planes: tuple[int, ...] = ()
 
     @property
     def used_blocks(self) -> int:
@@ -206,7 +209,13 @@ class KVCacheManager:
         per_request = {
             rid: (sum(len(p) for p in t.depth), len(t.flat)) for rid, t in self._tables.items()
         }
-        return KVUsage(pool(self.looped), pool(self.flat), per_request)
+        # distinct ids: a prefix-cached block is shared by several tables but held once
+        planes: list[set[int]] = [set() for _ in range(max((t.num_planes for t in self._tables.values()),
+                                                          default=0))]
+        for t in self._tables.values():
+            for i, plane in enumerate(t.depth):
+                planes[i].update(plane)
+        return KVUsage(pool(self.looped), pool(self.flat), per_request, tuple(len(p) for p in planes))
 
     def check(self) -> None:
         """Pool accounting plus: each block's reference count is the number of tables holding

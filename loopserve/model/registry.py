@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from loopserve.model.dory import DoryModel
 from loopserve.model.huginn import HuginnModel
 from loopserve.model.ouro import OuroModel
 
-log = logging.getLogger(__name__)
 MODEL_CLASSES: dict[type, type[LoopedModel]] = {HuginnConfig: HuginnModel, OuroConfig: OuroModel,
                                                  DoryConfig: DoryModel}
 # Trained checkpoints shipped as package data; each subdirectory's name is a model name.
@@ -104,7 +102,11 @@ def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
     else:
         files = sorted(p.name for p in d.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{d}: no *.safetensors files")
+        present = sorted(q.name for q in d.iterdir())
+        raise ValueError(
+            f"{d}: no weights: looked for model.safetensors.index.json and *.safetensors, found "
+            f"{present[:10]}; for random weights name an embedded config (e.g. tiny-ouro) or "
+            f"pass the config.json file itself")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(d / f)))
@@ -139,15 +141,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
 
 def resolve_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seed: int = 0) -> LoopedModel:
-    """A directory with safetensors loads; so does the name of a shipped checkpoint
-    (CHECKPOINT_DIR/<name>); a config name (or a directory with only a config.json, said
-    loudly: its replies are noise) is random-initialised from `seed`."""
+    """A directory must hold weights (one without is refused: serving it would stream noise
+    with exit 0), as does the name of a shipped checkpoint (CHECKPOINT_DIR/<name>); random init
+    from `seed` is asked for explicitly, by an embedded config name or a config .json file."""
     p = Path(name_or_dir)
     if not p.is_dir() and (CHECKPOINT_DIR / str(name_or_dir)).is_dir():
         p = CHECKPOINT_DIR / str(name_or_dir)
-    if p.is_dir() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
-        return load_model(p, dtype, device)
     if p.is_dir():
-        log.warning("%s has no weights (no *.safetensors, no model.safetensors.index.json): the "
-                    "model is RANDOMLY INITIALISED from seed %d and its output is noise", p, seed)
+        return load_model(p, dtype, device)
     return build_model(load_model_config(name_or_dir), dtype, device, seed)

@@ -228,7 +228,7 @@ unseeded requests' seeds from its own stream.
 """
     import random
 
-    from loopserve.cluster.workload import WorkItem
+    from loopserve.bench.workload import WorkItem
 
     rng = random.Random(seed)
     items = []

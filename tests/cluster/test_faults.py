@@ -23,7 +23,7 @@ from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.placement import plan, stop_all
 from loopserve.cluster.router import NoWorkerError, Router
-from loopserve.cluster.workload import WorkItem, run_workload
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, FAULT_TRANSFER, colocated_reference, greedy_items, until
 from tests.cluster.faulty import FAULT, FaultyHost, break_engine, fault_class

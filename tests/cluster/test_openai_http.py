@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server with the official `openai` client, over a real router and
 worker (the in-process colocated one; one test over the Ray 1P1D workers): completions and
 chat, streaming and not, n > 1, stop strings, logprobs, errors (400 naming the field, 401,
-404, 429, 500, 503), client disconnects (the request is aborted, no KV block left) and /metrics."""
+404, 429, 500, 503), client disconnects (the request is aborted, no KV block left) and /metrics
+(request metrics, KV usage per pool and plane, KV transfer and handoff latency over 1P1D)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.router import Router
-from loopserve.cluster.workload import WorkItem
+from loopserve.bench.workload import WorkItem
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.entrypoints.openai.chat_template import DefaultChatTemplate
 from loopserve.entrypoints.openai.protocol import ChatMessage
@@ -238,6 +239,26 @@ def test_metrics_agree_with_a_run(client, server):
     assert delta(f"loopserve:prefix_cache_hits_total{worker}") == 0  # shorter than a block
 
 
+def test_kv_usage_per_plane_agrees_with_a_running_request(client, server, colocated_worker):
+    stream = client.completions.create(model=MODEL, prompt="hold my blocks", max_tokens=400,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    m = _metrics(server)
+    stream.close()
+    wait_idle([colocated_worker])
+    worker = '"role": "colocated", "worker": "colocated-inproc"'
+    planes = {k: v for k, v in m.items() if k.startswith("loopserve:kv_cache_plane_used_blocks")}
+    looped = m[f'loopserve:kv_cache_used_blocks{{"pool": "looped", {worker}}}']
+    # one request: every plane covers the same positions, and the planes are the whole pool
+    assert planes and len(set(planes.values())) == 1 and sum(planes.values()) == looped > 0
+    total = looped / m[f'loopserve:kv_cache_usage_perc{{"pool": "looped", {worker}}}']
+    for key, n in planes.items():
+        perc = key.replace("plane_used_blocks", "plane_usage_perc")
+        assert m[perc] == pytest.approx(n / total)
+    assert all(v == 0 for k, v in _metrics(server).items()
+               if k.startswith("loopserve:kv_cache_plane_used_blocks"))
+
+
 def test_a_checkpoint_brings_its_tokenizer_and_chat_template(tmp_path):
     from tests.cluster.inprocess import InProcessHandle
     from tests.model.test_checkpoint_tokenizer import save_checkpoint
@@ -302,4 +323,10 @@ def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
     assert [x for ch in chunks for x in ch.choices[0].exit_depths] == depths
     assert m[f'loopserve:kv_transfer_reads_total{{"role": "decode", "worker": "{d.worker_id}"}}'] >= 1
-    assert m[f'loopserve:kv_transfer_bytes_total{{"role": "decode", "worker": "{d.worker_id}"}}'] > 0
+    lab = f'{{"role": "decode", "worker": "{d.worker_id}"}}'
+    assert m[f"loopserve:kv_transfer_bytes_total{lab}"] > 0
+    # every READ done is one handoff observed, and a handoff's latency includes its READ
+    reads = m[f"loopserve:kv_transfer_reads_total{lab}"]
+    assert m[f"loopserve:handoff_latency_seconds_count{lab}"] == reads
+    assert m[f'loopserve:handoff_latency_seconds_bucket{{"le": "+Inf", {lab[1:]}'] == reads
+    assert m[f"loopserve:handoff_latency_seconds_sum{lab}"] >= m[f"loopserve:kv_transfer_seconds_total{lab}"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from loopserve.bench import pd_compare
 from loopserve.cluster.placement import stop_all
 from loopserve.cluster.router import Router
 from tests.cluster.conftest import ENGINE
@@ -56,7 +57,7 @@ def in_process_cluster(break_after_tokens: int):
 def test_a_failed_mode_is_reported_and_the_other_still_written(monkeypatch, tmp_path, capsys,
                                                                  phase, after_tokens):
     bench = _load_benchmark()
-    monkeypatch.setattr(bench, "Cluster", in_process_cluster(after_tokens))
+    monkeypatch.setattr(pd_compare, "Cluster", in_process_cluster(after_tokens))
     png = tmp_path / "cdf.png"
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--requests", "4", "--rate", "100",
                                       "--max-tokens", "24", "--png", str(png)])

@@ -6,7 +6,7 @@ import asyncio
 from collections import Counter
 
 from loopserve.cluster.cluster import wait_idle
-from loopserve.cluster.workload import run_workload
+from loopserve.bench.workload import run_workload
 from tests.cluster.conftest import colocated_reference, greedy_items
 
 PREFILL_TRACE = ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]

@@ -8,7 +8,7 @@ import pytest
 
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.workload import run_workload
+from loopserve.bench.workload import run_workload
 from tests.cluster.conftest import colocated_reference, greedy_items
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.workload import WorkItem, run_workload
+from loopserve.bench.workload import WorkItem, run_workload
 from tests.cluster.conftest import serving
 from tests.engine.conftest import reference
 from tests.real_shapes import ENGINE, workload

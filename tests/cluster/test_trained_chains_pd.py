@@ -8,7 +8,7 @@ import asyncio
 from loopserve.checkpoints.chains import make_problems
 from loopserve.cluster.cluster import Cluster
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.workload import WorkItem, run_workload
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from loopserve.cluster.workload import RequestResult, summarize
+from loopserve.bench.workload import RequestResult, summarize
 
 
 def _result(rid: str, tokens: int, ttft: float, tpot: float, error: str | None = None) -> RequestResult:
@@ -22,7 +22,7 @@ def test_goodput_counts_ok_requests_within_the_tpot_slo():
 
 
 def test_greedy_divergence_tells_a_near_tie_from_a_real_difference():
-    from loopserve.cluster.workload import RequestResult, greedy_divergence
+    from loopserve.bench.workload import RequestResult, greedy_divergence
 
     def res(tokens, tops):
         return RequestResult("r", token_ids=tokens, top_logprobs=tops)

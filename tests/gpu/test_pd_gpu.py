@@ -14,7 +14,7 @@ import torch
 
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.workload import WorkItem, run_workload
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.engine.config import GPU_FEATURES
 from tests.real_shapes import ENGINE, workload
 

@@ -20,6 +20,16 @@ def test_full_reservation_covers_every_plane():
     m.check()
 
 
+def test_usage_counts_blocks_per_plane_across_loop_counts():
+    m = make(blocks=32)
+    assert m.allocate("three", 5, 3) and m.allocate("one", 9, 1)
+    assert m.usage().planes == (2 + 3, 2, 2) and sum(m.usage().planes) == m.usage().looped.used
+    m.free("one")
+    assert m.usage().planes == (2, 2, 2)
+    m.free("three")
+    assert m.usage().planes == ()
+
+
 def test_never_fits_error_names_request_and_blocks():
     m = make(blocks=8)
     with pytest.raises(KVCapacityError) as e:

@@ -45,6 +45,14 @@ def test_hit_shares_every_plane_and_the_flat_block():
     m.check()
 
 
+def test_usage_per_plane_counts_a_shared_block_once():
+    m = make()
+    prompt = list(range(13))
+    _run(m, "a", prompt)
+    _run(m, "b", prompt)  # shares 3 of its 4 blocks on every plane
+    assert m.usage().planes == (5, 5, 5) and sum(m.usage().planes) == m.usage().looped.used
+
+
 def test_last_token_always_runs():
     m = make()
     prompt = list(range(8))

@@ -1,11 +1,14 @@
 """A Hugging Face checkpoint directory's own tokenizer.json (trained here with `tokenizers`),
 with the EOS its tokenizer_config.json names, is what the engine and `loopserve generate
---model DIR` use; a directory with only config.json says loudly that its weights are random."""
+--model DIR` use; a directory with only config.json is refused (random weights are asked for
+by an embedded config name or the config.json file itself)."""
 
 from __future__ import annotations
 
 import json
-import logging
+
+import pytest
+import torch
 
 from loopserve.cli import main
 from loopserve.engine.llm import LLM
@@ -53,18 +56,24 @@ def test_generate_cli_uses_the_directory_tokenizer(tmp_path, capsys):
     tok = save_checkpoint(tmp_path)
     assert main(["generate", "the cat ran", "--model", str(tmp_path), "--max-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # text -> the trained tokenizer's ids (every word known: no [UNK]) -> model -> ids -> text
+    assert out["prompt_token_ids"] == tok.encode("the cat ran").ids
+    assert tok.token_to_id("[UNK]") not in out["prompt_token_ids"]
     assert out["token_ids"] and out["text"] == tok.decode(out["token_ids"])
     assert set(out["text"].split()) <= set(tok.get_vocab())
 
 
-def test_a_directory_without_weights_warns_they_are_random(tmp_path, caplog):
+def test_a_directory_without_weights_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(dory_config(64)))
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ValueError, match=r"no weights: looked for model.safetensors.index.json "
+                                         r"and \*.safetensors, found \['config.json'\]"):
         resolve_model(tmp_path)
-    assert "RANDOMLY INITIALISED" in caplog.text and "no *.safetensors" in caplog.text
+    assert main(["generate", "hi", "--model", str(tmp_path), "--max-tokens", "2"]) != 0
+    assert "no weights" in capsys.readouterr().err
 
 
-def test_a_named_model_does_not_warn(caplog):
-    with caplog.at_level(logging.WARNING):
-        resolve_model("tiny-ouro")
-    assert "RANDOMLY" not in caplog.text
+def test_random_weights_are_asked_for_by_name_or_config_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dory_config(64)))
+    a, b = resolve_model(tmp_path / "config.json", seed=2), resolve_model(tmp_path / "config.json", seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert resolve_model("tiny-ouro") is not None

@@ -1,6 +1,7 @@
 """A seeded workload driven through a Router, with per-request latencies as the caller sees them.
 
-Used by the job entry point (`--workload`) and benchmarks/pd_vs_colocated.py.
+In-process (the router, not a server's front): used by the job entry point (`--workload`),
+`loopserve.bench.pd_compare` (benchmarks/pd_vs_colocated.py) and the cluster tests.
 """
 
 from __future__ import annotations
