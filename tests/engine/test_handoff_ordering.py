@@ -82,9 +82,8 @@ def engine(family: str, **kw) -> EngineCore:
     return make_engine(family, max_model_len=MAX_MODEL_LEN, **kw)
 
 
-def colocated(family: str, work, lag: bool = False, **kw) -> dict[str, list[int]]:
-    e = engine(family, **kw)
-    device = LaggingDevice(e) if lag else None
+def run_colocated(e: EngineCore, work) -> dict[str, list[int]]:
+    """Greedy outputs of `work` on one engine, a request arriving every second step."""
     outs: dict[str, list[int]] = {}
     pending, steps = list(work), 0
     while e.has_unfinished() or pending:
@@ -95,13 +94,13 @@ def colocated(family: str, work, lag: bool = False, **kw) -> dict[str, list[int]
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps += 1
     e.check_no_leaks()
-    assert device is None or device.late  # the lag was exercised
     return outs
 
 
-def prefill_decode(family: str, work, **kw) -> tuple[dict[str, list[int]], LaggingDevice]:
-    p, d = engine(family, role="prefill", **kw), engine(family, role="decode", **kw)
-    device = LaggingDevice(d)
+def run_pd(p: EngineCore, d: EngineCore, work, read=read_kv,
+           before_handoff=lambda: None) -> dict[str, list[int]]:
+    """The same on a prefill and a decode engine: each handoff placed (after `before_handoff`,
+    where the GPU twin queues device work) and its KV moved by `read`."""
     outs: dict[str, list[int]] = {}
     pending, steps = list(work), 0
     while p.has_unfinished() or d.has_unfinished() or pending:
@@ -111,9 +110,10 @@ def prefill_decode(family: str, work, **kw) -> tuple[dict[str, list[int]], Laggi
         for o in p.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
         for h in p.take_handoffs():
+            before_handoff()
             table = d.add_handoff(h)
             assert table is not None
-            read_kv(p, d, h, table)
+            read(p, d, h, table)
             d.kv_received(h.request_id)
             p.transfer_done(h.request_id)
         for o in d.step():
@@ -122,7 +122,21 @@ def prefill_decode(family: str, work, **kw) -> tuple[dict[str, list[int]], Laggi
         assert steps < 100_000, "PD pipeline did not drain"
     p.check_no_leaks()
     d.check_no_leaks()
-    return outs, device
+    return outs
+
+
+def colocated(family: str, work, lag: bool = False, **kw) -> dict[str, list[int]]:
+    e = engine(family, **kw)
+    device = LaggingDevice(e) if lag else None
+    outs = run_colocated(e, work)
+    assert device is None or device.late  # the lag was exercised
+    return outs
+
+
+def prefill_decode(family: str, work, **kw) -> tuple[dict[str, list[int]], LaggingDevice]:
+    p, d = engine(family, role="prefill", **kw), engine(family, role="decode", **kw)
+    device = LaggingDevice(d)
+    return run_pd(p, d, work), device
 
 
 @pytest.mark.parametrize("defer", [False, True])

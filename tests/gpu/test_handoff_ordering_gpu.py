@@ -13,16 +13,13 @@ blocks come out zero), i.e. that this test can see it.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
-from tests.engine.test_handoff_ordering import read_kv
+from tests.engine.test_handoff_ordering import read_kv, run_colocated, run_pd, workload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,12 +29,6 @@ BACKLOG_CYCLES = 200_000_000  # ~0.1 s of GPU time queued ahead of add_handoff's
 def _engine(role: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(model="tiny-ouro", device="cuda", dtype="float32", block_size=16,
                                    num_blocks=1024, max_model_len=256, role=role, **{**GPU_FEATURES, **kw}))
-
-
-def _work(n: int, seed: int = 5):
-    rng = random.Random(seed)
-    return [(f"r{i}", [rng.randrange(0, 256) for _ in range(rng.randint(40, 160))],
-             SamplingParams(max_tokens=10, ignore_eos=True, seed=i)) for i in range(n)]
 
 
 def _side_read(p: EngineCore, d: EngineCore, h, table) -> None:
@@ -50,7 +41,7 @@ def _side_read(p: EngineCore, d: EngineCore, h, table) -> None:
 @pytest.mark.parametrize("sync", [True, False])
 def test_read_lands_after_the_queued_zeroing(sync, monkeypatch):
     p, d = _engine("prefill"), _engine("decode")
-    rid, prompt, params = _work(1)[0]
+    rid, prompt, params = workload(1)[0]
     p.add_request(prompt, params, request_id=rid)
     while not (hs := p.take_handoffs()):
         p.step()
@@ -78,33 +69,10 @@ def test_read_lands_after_the_queued_zeroing(sync, monkeypatch):
 def test_pd_with_backlogged_decode_stream_equals_colocated_fp32():
     """End to end: 12 requests arriving while others decode, each handoff placed behind a
     backlog on the decode stream, READ on a side stream: the tokens equal colocated's."""
-    work = _work(12)
-    c = _engine("colocated")
-    want: dict[str, list[int]] = {}
-    for rid, prompt, params in work:
-        c.add_request(prompt, params, request_id=rid)
-    while c.has_unfinished():
-        for o in c.step():
-            want.setdefault(o.request_id, []).extend(o.new_token_ids)
-    p, d = _engine("prefill"), _engine("decode")
-    got: dict[str, list[int]] = {}
-    pending, steps = list(work), 0
-    while p.has_unfinished() or d.has_unfinished() or pending:
-        if pending and steps % 2 == 0:
-            rid, prompt, params = pending.pop(0)
-            p.add_request(prompt, params, request_id=rid)
-        for o in p.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        for h in p.take_handoffs():
-            torch.cuda._sleep(BACKLOG_CYCLES // 10)
-            table = d.add_handoff(h)
-            _side_read(p, d, h, table)
-            d.kv_received(h.request_id)
-            p.transfer_done(h.request_id)
-        for o in d.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        steps += 1
-        assert steps < 100_000
+    work = workload(12)
+    want = run_colocated(_engine("colocated"), work)
+    got = run_pd(_engine("prefill"), _engine("decode"), work, read=_side_read,
+                 before_handoff=lambda: torch.cuda._sleep(BACKLOG_CYCLES // 10))
     bad = {r: (want[r], got.get(r)) for r in want if got.get(r) != want[r]}
     print(f"PD vs colocated: {len(want) - len(bad)}/{len(want)} equal")
     assert not bad, bad
