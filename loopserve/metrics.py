@@ -50,6 +50,14 @@ class ServingMetrics:
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens.", registry=r)
         self.migrations = Counter(f"{PREFIX}request_migrations", "Times a request moved to another "
                                   "worker after a worker or engine failure.", registry=r)
+        self.routed = Counter(f"{PREFIX}requests_routed", "Requests by where their prompt was "
+                              "prefilled: remote (a prefill worker, KV moved), local (pd mode: "
+                              "on the decode worker, a short uncached prompt) or colocated.",
+                              ["prefill"], registry=r)
+        self.routed_cached_tokens = Counter(f"{PREFIX}routed_cached_tokens", "Prompt tokens the "
+                                            "chosen worker's prefix cache held when the request "
+                                            "was routed (as its KV events told the router).",
+                                            registry=r)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between two output "

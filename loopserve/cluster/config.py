@@ -18,6 +18,7 @@ from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
+LOCAL_PREFILL_TOKENS = 0
 ROLES_BY_MODE = {"pd": ("prefill", "decode"), "colocated": ("colocated",)}
 
 
@@ -67,6 +68,13 @@ class ServerConfig(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
+    # Send a request where the workers' prefix caches (as their KV events report) hold the
+    # longest part of its prompt, among workers near the least loaded.
+    prefix_routing: bool = True
+    # pd mode: a request whose uncached prompt is shorter than this many tokens is prefilled on
+    # its decode worker, with no KV transfer; 0: every request is disaggregated. The default
+    # is the measured crossover of prefill and transfer time (docs/benchmarks.md).
+    local_prefill_tokens: int = Field(LOCAL_PREFILL_TOKENS, ge=0)
     # A call to a worker (or its event poll) unanswered this long: the worker is routed around
     # and the call goes elsewhere; unanswered for worker_fail_s: failed, its requests migrate.
     # Polls never wait for the engine, but calls wait for its current step: an overloaded

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from loopserve.engine.handoff import HandoffMessage
+from loopserve.engine.prefix_keys import PrefixKeyer
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.worker_host.events import WorkerEvents
 
@@ -38,6 +39,9 @@ class WorkerHandle(ABC):
 
     def add_peer(self, info: dict) -> None:
         self._call("add_peer", info)
+
+    def prefix_keyer(self) -> PrefixKeyer | None:
+        return self._call("prefix_keyer")
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                timeout: float | None = None) -> bool:

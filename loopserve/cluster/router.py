@@ -1,7 +1,10 @@
 """Router: sends a request to an entry worker (prefill or colocated) and its handoff to a decode
-worker, both chosen by load, and streams the request's outputs back to the caller. Among entry
-workers whose load is within PREFIX_LOAD_SLACK of the least loaded, the one sent the longest
-prefix of the prompt before wins (`prefix_index.py`: its prefix cache likely holds it).
+worker, and streams the request's outputs back to the caller. Each is chosen by load, except
+that among workers within PREFIX_LOAD_SLACK of the least loaded, the one whose prefix cache
+holds the longest part of the prompt wins (`prefix_index.py`, fed by the workers' KV events;
+`prefix_routing`). In pd mode a request whose uncached prompt (on the decode worker it would
+go to) is shorter than `local_prefill_tokens` is prefilled there: no prefill worker, no KV
+transfer (disaggregation decided per request, as Dynamo's conditional disaggregation).
 
 One pump thread per worker long-polls `get_events` and dispatches everything new: outputs to
 their streams, handoffs to a decode worker. (Lease renewals and releases go from decode to
@@ -36,15 +39,16 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.migration import StreamHistory
-from loopserve.cluster.prefix_index import PrefixIndex, prefix_keys
+from loopserve.cluster.prefix_index import PrefixIndex
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.handoff import HandoffMessage
+from loopserve.engine.prefix_keys import PrefixKeyer
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.metrics import ServingMetrics, WorkerCollector
 from loopserve.worker_host.events import WorkerLoad
@@ -66,6 +70,27 @@ class RequestIdInUseError(ValueError):
 
 
 @dataclass
+class _Prompt:
+    """A request's prompt as routing sees it: token ids (None: a text prompt and no tokenizer)
+    and its block keys under each keyer, computed once each."""
+
+    ids: list[int] | None
+    params: SamplingParams
+    _keys: dict[PrefixKeyer, tuple[bytes, ...]] = field(default_factory=dict)
+
+    def keys(self, keyer: PrefixKeyer | None) -> tuple[bytes, ...]:
+        if keyer is None or self.ids is None:
+            return ()
+        if keyer not in self._keys:
+            try:  # a bad prompt or loop field: the worker refuses it, routing need not care
+                keys = keyer.keys(self.ids, keyer.resolve(self.params), self.params.seed)
+            except (ValueError, TypeError, OverflowError):
+                keys = None
+            self._keys[keyer] = keys or ()
+        return self._keys[keyer]
+
+
+@dataclass
 class _Stream:
     client_id: str
     request_id: str  # the id the engines see (unique per router)
@@ -73,6 +98,7 @@ class _Stream:
     queue: asyncio.Queue
     entry: str
     history: StreamHistory
+    prompt: _Prompt
     decode: str | None = None
     decoding: bool = False  # the decode worker has streamed: the prefill side is done with it
     avoid: set[str] = field(default_factory=set)  # workers an earlier attempt failed on
@@ -94,6 +120,7 @@ class _WorkerState:
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
         self.calls = ThreadPoolExecutor(4, f"to-{self.id}")
+        self.keyer: PrefixKeyer | None = None  # how its prefix cache keys blocks (None: off)
 
     @property
     def routable(self) -> bool:
@@ -141,7 +168,10 @@ class _WorkerState:
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
                  poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 10.0,
-                 fail_s: float = 30.0, metrics: ServingMetrics | None = None) -> None:
+                 fail_s: float = 30.0, metrics: ServingMetrics | None = None,
+                 tokenize: Callable[[str], list[int]] | None = None, prefix_routing: bool = True,
+                 local_prefill_tokens: int = 0) -> None:
+        """`tokenize`: the engines' tokenizer, for text prompts' block keys and lengths."""
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -152,6 +182,11 @@ class Router:
                              f"got roles {sorted(roles)}")
         if not 0 < deadline_s <= fail_s:
             raise ValueError(f"need 0 < deadline_s <= fail_s, got {deadline_s} and {fail_s}")
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        self.tokenize = tokenize
+        self.prefix_routing = prefix_routing
+        self.local_prefill_tokens = local_prefill_tokens if decode else 0
         self.poll_s = poll_s
         self.max_migrations = max_migrations
         self.deadline_s = deadline_s
@@ -163,7 +198,7 @@ class Router:
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._live: dict[str, str] = {}  # client id -> engine request id
         self._uses: OrderedDict[str, int] = OrderedDict()  # client id -> times used
-        self._prefixes = PrefixIndex()  # prompt prefixes sent to each entry worker
+        self._prefixes = PrefixIndex()  # which worker's prefix cache holds which block
         self._token = uuid.uuid4().hex[:8]  # engine ids of reused client ids: "<id>#<token>-<n>"
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -172,8 +207,10 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Router:
-        """Handshake every decode worker with every prefill worker, then start the pumps."""
+        """Handshake every decode worker with every prefill worker, learn how each keys its
+        prefix cache, then start the pumps."""
         self._handshake(self._decode, self._entry)
+        self._learn_keyers(list(self._workers.values()))
         loops = [(self._pump, (w,), f"pump-{w.id}") for w in self._workers.values()]
         for target, args, name in [*loops, (self._watch, (), "router-watchdog")]:
             t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -187,6 +224,13 @@ class Router:
         infos = [f.result() for f in [p.calls.submit(p.handle.handshake_info) for p in prefill]]
         for f in [d.calls.submit(d.handle.add_peer, info) for d in decode for info in infos]:
             f.result()
+
+    def _learn_keyers(self, workers: Sequence[_WorkerState]) -> None:
+        if not self.prefix_routing:
+            return
+        futures = [(w, w.calls.submit(w.handle.prefix_keyer)) for w in workers]
+        for w, f in futures:
+            w.keyer = f.result()
 
     def close(self) -> None:
         with self._lock:
@@ -210,7 +254,8 @@ class Router:
         params = params or SamplingParams()
         record = self.metrics.begin()
         try:
-            st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params)
+            routed = _Prompt(self._token_ids(prompt), params)
+            st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params, routed)
         except (ValueError, NoWorkerError) as e:
             record.refused(_refusal(e))
             raise
@@ -253,7 +298,17 @@ class Router:
                 record.finish("abort")
                 self._abort_later(st.request_id)
 
-    def _open(self, client_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
+    def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
+        if isinstance(prompt, list):
+            return prompt
+        if not self.prefix_routing and not self.local_prefill_tokens:
+            return None
+        if self.tokenize is None or not isinstance(prompt, str) or not prompt:
+            return None
+        return self.tokenize(prompt)
+
+    def _open(self, client_id: str, prompt: str | list[int], params: SamplingParams,
+              routed: _Prompt) -> _Stream:
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("request_id must be a non-empty string")
         with self._lock:
@@ -261,14 +316,16 @@ class Router:
                 raise NoWorkerError("the router is closed")
             if client_id in self._live:
                 raise RequestIdInUseError(f"request_id {client_id!r} is already in use by a live request")
-            keys = prefix_keys(prompt)
-            entry = self._pick_entry(keys=keys)
-            self._prefixes.record(entry.id, keys)
             if self._decode and not any(w.routable for w in self._decode):
                 raise NoWorkerError("no healthy decode worker")
+            entry, local = self._local_prefill(routed), True
+            if entry is None:
+                entry, local = self._pick_entry(prompt=routed), False
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
-                         StreamHistory(prompt, params))
+                         StreamHistory(prompt, params), routed, decode=entry.id if local else None)
+            self.metrics.routed.labels("local" if local else
+                                       "remote" if self._decode else "colocated").inc()
             self._streams[rid] = st
             self._live[client_id] = rid
             entry.note_sent(0)
@@ -290,27 +347,65 @@ class Router:
             if self._live.get(st.client_id) == st.request_id:
                 del self._live[st.client_id]
 
-    def _pick_entry(self, avoid: set[str] = frozenset(), keys: list[bytes] = ()) -> _WorkerState:
-        """The least loaded entry worker, or one near it that was sent the longest prefix of
-        the prompt (`keys`) before."""
+    def _cached_tokens(self, prompt: _Prompt | None, workers: list[_WorkerState]) -> dict[str, int]:
+        """Prompt tokens each worker's prefix cache holds, as its KV events last said (lock held)."""
+        out: dict[str, int] = {}
+        if prompt is None or not self.prefix_routing:
+            return out
+        for keyer in {w.keyer for w in workers if w.keyer is not None}:
+            ids = [w.id for w in workers if w.keyer == keyer]
+            for wid, n in self._prefixes.match(prompt.keys(keyer), ids).items():
+                out[wid] = n * keyer.block_size
+        return out
+
+    def _choose(self, healthy: list[_WorkerState], cached: dict[str, int], by_load) -> _WorkerState:
+        """The worker holding the most of the prompt among those near the least loaded, else
+        the best by load (`by_load`: smaller is better)."""
+        least = min(w.queue_depth for w in healthy)
+        near = [w for w in healthy if cached.get(w.id) and w.queue_depth <= least + PREFIX_LOAD_SLACK]
+        if near:
+            return max(near, key=lambda w: (cached[w.id], -w.queue_depth, w.free_blocks, -w.sent))
+        return min(healthy, key=by_load)
+
+    def _pick_entry(self, avoid: set[str] = frozenset(), prompt: _Prompt | None = None) -> _WorkerState:
         healthy = _preferred(self._entry, avoid)
         if not healthy:
             raise NoWorkerError(f"no healthy {self._entry[0].handle.role} worker")
-        sent = self._prefixes.match(keys) if keys else {}
-        if sent:
-            least = min(w.queue_depth for w in healthy)
-            near = [w for w in healthy if sent.get(w.id) and w.queue_depth <= least + PREFIX_LOAD_SLACK]
-            if near:
-                return max(near, key=lambda w: (sent[w.id], -w.queue_depth, w.free_blocks, -w.sent))
-        return min(healthy, key=lambda w: (w.queue_depth, -w.free_blocks, w.sent))
+        cached = self._cached_tokens(prompt, healthy)
+        best = self._choose(healthy, cached, lambda w: (w.queue_depth, -w.free_blocks, w.sent))
+        self.metrics.routed_cached_tokens.inc(cached.get(best.id, 0))
+        return best
 
-    def _pick_decode(self, blocks: int, avoid: set[str] = frozenset()) -> _WorkerState | None:
+    def _decode_for(self, prompt: _Prompt | None, avoid: set[str]) -> tuple[_WorkerState, int] | None:
+        """The decode worker for a request, and how much of its prompt that worker holds."""
         healthy = _preferred(self._decode, avoid)
         if not healthy:
             return None
-        best = max(healthy, key=lambda w: (w.free_blocks, -w.queue_depth, -w.sent))
-        best.note_sent(blocks)
-        return best
+        cached = self._cached_tokens(prompt, healthy)
+        best = self._choose(healthy, cached, lambda w: (-w.free_blocks, w.queue_depth, w.sent))
+        return best, cached.get(best.id, 0)
+
+    def _pick_decode(self, blocks: int, prompt: _Prompt | None,
+                     avoid: set[str] = frozenset()) -> _WorkerState | None:
+        chosen = self._decode_for(prompt, avoid)
+        if chosen is None:
+            return None
+        chosen[0].note_sent(blocks)
+        return chosen[0]
+
+    def _local_prefill(self, prompt: _Prompt) -> _WorkerState | None:
+        """pd mode: the decode worker to prefill this request on, if its uncached prompt there
+        is shorter than `local_prefill_tokens` (its transfer would cost more than its prefill)."""
+        if not self.local_prefill_tokens or prompt.ids is None:
+            return None
+        chosen = self._decode_for(prompt, set())
+        if chosen is None:
+            return None
+        target, cached = chosen
+        if len(prompt.ids) - cached >= self.local_prefill_tokens:
+            return None
+        self.metrics.routed_cached_tokens.inc(cached)
+        return target
 
     def _abort_later(self, request_id: str) -> None:
         """Abort from a closing stream without waiting (it may be closed from a finalizer)."""
@@ -332,7 +427,7 @@ class Router:
                 return False
             if self._live.get(st.client_id) == request_id:
                 del self._live[st.client_id]
-            targets = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
+            targets = [self._workers[w] for w in dict.fromkeys((st.entry, st.decode)) if w is not None]
         self._push(st, RequestOutput.ended(st.request_id, reason, error, code))
         for w in targets:
             self._tell(w, "abort", request_id)
@@ -345,14 +440,14 @@ class Router:
             st = self._streams.pop(request_id, None)
             if st is None:  # finished, aborted or migrated already
                 return
-            old = [self._workers[w] for w in (st.entry, st.decode) if w is not None]
+            old = [self._workers[w] for w in dict.fromkeys((st.entry, st.decode)) if w is not None]
             st.avoid |= suspects
             entry, why = None, f"after {st.history.migrations} migration(s)"
             if self._closed:
                 why = "the router is closing"
             elif st.history.migrations < self.max_migrations:
                 try:
-                    entry = self._pick_entry(st.avoid)
+                    entry = self._pick_entry(st.avoid, st.prompt)
                 except NoWorkerError as e:
                     why = str(e)
             if entry is None:
@@ -406,6 +501,8 @@ class Router:
             with self._lock:
                 w.on_load(ev.load)
                 w.silent_since = None
+                for change in ev.cache:
+                    self._prefixes.apply(w.id, change)
             for out in ev.outputs:
                 self._deliver(w, out)
             for msg in ev.handoffs:
@@ -467,7 +564,7 @@ class Router:
         rid = msg.request_id
         with self._lock:
             st = self._streams.get(rid)
-            target = self._pick_decode(msg.looped_blocks(), st.avoid) if st is not None else None
+            target = self._pick_decode(msg.looped_blocks(), st.prompt, st.avoid) if st is not None else None
             if target is not None:
                 st.decode = target.id
         if st is None:  # aborted meanwhile: let the prefill side free the blocks now
@@ -516,6 +613,7 @@ class Router:
                 self._handshake(self._decode, [w])
             elif w.handle.role == "decode":
                 self._handshake([w], self._entry)
+            self._learn_keyers([w])
         except Exception as e:  # noqa: BLE001 - stays unhealthy until the next successful poll
             log.error("worker %s could not rejoin: %s", w.id, e)
 

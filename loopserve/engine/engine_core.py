@@ -20,11 +20,12 @@ from loopserve.intmath import cdiv
 from loopserve.model.layers import fuse_elementwise
 from loopserve.engine.counters import EngineCounters
 from loopserve.engine.outputs import RequestOutput
+from loopserve.engine.prefix_keys import PrefixKeyer
 from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import draw_tokens
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout, hash_blocks
+from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 from loopserve.scheduler import (
@@ -68,6 +69,11 @@ class EngineCore:
         num_flat = (config.num_flat_blocks or config.num_blocks // self.max_loops + 1) if has_flat else 0
         self.layout = KVLayout(config.block_size, config.num_blocks, num_flat, has_flat)
         self.kv_manager = KVCacheManager(self.layout, incremental=sc.incremental_kv)
+        seeded = self.model.prefix_cache_seeded() if config.enable_prefix_caching else None
+        d = self.model.default_loop_params
+        self.prefix_keyer: PrefixKeyer | None = None if seeded is None else PrefixKeyer(
+            config.model, config.dtype, config.block_size, (d.min_loops, d.max_loops, d.exit_threshold),
+            self.max_loops, tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
         self.scheduler = Scheduler(sc.model_copy(update={"coda_writes_kv": self.model.coda_writes_kv}),
                                    self.kv_manager)
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
@@ -136,19 +142,14 @@ class EngineCore:
             request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=p.max_tokens,
             min_loops=p.min_loops, max_loops=p.max_loops, priority=p.priority,
             arrival_time=req.arrival_time, greedy=p.greedy, num_planes=planes,
-            block_hashes=self._block_hashes(req, planes),
+            block_hashes=self._block_hashes(req),
         )
 
-    def _block_hashes(self, req: Request, planes: int) -> tuple[bytes, ...] | None:
+    def _block_hashes(self, req: Request) -> tuple[bytes, ...] | None:
         """Prefix-cache keys of the prompt's full blocks; None when caching is off for it."""
-        if not self.config.enable_prefix_caching:
+        if self.prefix_keyer is None:
             return None
-        extra = self.model.prefix_cache_key(req.seed)
-        if extra is None:
-            return None
-        p = req.params
-        key = (self.config.model, self.config.dtype, p.min_loops, p.max_loops, p.exit_threshold, planes, extra)
-        return hash_blocks(req.prompt_token_ids, self.layout.block_size, key)
+        return self.prefix_keyer.keys(req.prompt_token_ids, req.params, req.seed)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)

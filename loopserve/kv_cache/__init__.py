@@ -3,12 +3,13 @@
 from loopserve.kv_cache.block_pool import BlockPool, NoFreeBlocksError
 from loopserve.kv_cache.block_table import BlockTable, KVLayout
 from loopserve.kv_cache.manager import KVCacheManager, KVCapacityError, KVUsage, PoolUsage, PrefixStats
-from loopserve.kv_cache.prefix_cache import BlockHash, CachedBlock, PrefixCache, hash_blocks
+from loopserve.kv_cache.prefix_cache import BlockHash, CacheEvents, CachedBlock, PrefixCache, hash_blocks
 
 __all__ = [
     "BlockHash",
     "BlockPool",
     "BlockTable",
+    "CacheEvents",
     "CachedBlock",
     "KVCacheManager",
     "KVCapacityError",

@@ -6,7 +6,8 @@ else a prompt token's K/V depends on: the model and its loop configuration (min/
 exit threshold, planes) and, for a model whose initial state is seeded, the seed. One entry
 is one logical block: its block on every looped plane and its flat block, reused together.
 Blocks live in the pools (block_pool.py); an entry lasts until one of its blocks is handed
-out again.
+out again. Once asked to (`record_events`), the cache also records what it stores and drops,
+for a router to index which worker holds which prefix (vLLM's and Dynamo's KV events).
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class CachedBlock:
     flat: int | None
 
 
+@dataclass(frozen=True)
+class CacheEvents:
+    """Changes since the last take, in order: (True, key) stored, (False, key) dropped. With
+    `reset` the reader forgets what it knew; the changes then store every cached key."""
+
+    changes: list[tuple[bool, BlockHash]]
+    reset: bool = False
+
+
 class PrefixCache:
     """Key -> CachedBlock, and block -> key so reusing a block drops its entry."""
 
@@ -50,6 +60,25 @@ class PrefixCache:
         self._looped_key: dict[int, BlockHash] = {}
         self._flat_key: dict[int, BlockHash] = {}
         self.num_evicted = 0  # entries dropped because a block of theirs was handed out again
+        self._events: list[tuple[bool, BlockHash]] | None = None  # None: not recorded
+        self._snapshot_next = False
+
+    def record_events(self) -> None:
+        """Record changes from now on; the next take is a snapshot of everything cached."""
+        self._events, self._snapshot_next = [], True
+
+    def take_events(self) -> CacheEvents:
+        if self._events is None:
+            raise RuntimeError("record_events() first")
+        if self._snapshot_next:
+            self._events, self._snapshot_next = [], False
+            return CacheEvents([(True, k) for k in self._entries], reset=True)
+        out, self._events = self._events, []
+        return CacheEvents(out)
+
+    def _note(self, stored: bool, key: BlockHash) -> None:
+        if self._events is not None and not self._snapshot_next:
+            self._events.append((stored, key))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,6 +98,7 @@ class PrefixCache:
         if key in self._entries:
             return False
         self._entries[key] = block
+        self._note(True, key)
         for b in block.looped:
             self._looped_key[b] = key
         if block.flat is not None:
@@ -89,6 +119,7 @@ class PrefixCache:
     def _drop(self, key: BlockHash) -> None:
         self.num_evicted += 1
         e = self._entries.pop(key)
+        self._note(False, key)
         for b in e.looped:
             del self._looped_key[b]
         if e.flat is not None:

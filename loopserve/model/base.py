@@ -49,11 +49,12 @@ class LoopedModel(nn.Module):
         """The 1-based plane loop `depth` reads and writes."""
         return depth
 
-    def prefix_cache_key(self, seed: int) -> tuple | None:
-        """What a prompt token's K/V (every plane, exit decisions included) depends on besides
-        its prefix, the model and the request's loop parameters: part of its prefix-cache key.
-        None: it depends on more than the prefix, so the engine does not cache it."""
-        return ()
+    def prefix_cache_seeded(self) -> bool | None:
+        """Whether a prompt token's K/V (every plane, exit decisions included) depends on the
+        request's seed besides its prefix, the model and the loop parameters (then the seed is
+        part of its prefix-cache key). None: it depends on more than that, so the engine does
+        not cache it."""
+        return False
 
     def paged_attend(self, batch: ModelBatch, kv: PagedKVCache, kind: str, layer: int,
                      scale: float, window: int | None = None) -> Attend:

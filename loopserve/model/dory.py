@@ -186,11 +186,11 @@ class DoryModel(LoopedModel):
         """1-based plane that loop `depth` writes and reads."""
         return 1 if self.last_loop_kv else depth
 
-    def prefix_cache_key(self, seed: int) -> tuple | None:
+    def prefix_cache_seeded(self) -> bool | None:
         """last_loop: a prompt token's loop-d attention reads the earlier prompt tokens' loop-d
         K/V, but a finished prefix's one plane holds only its last loop's, so a cached prefix
         would change the tokens after it: never cached."""
-        return None if self.last_loop_kv else ()
+        return None if self.last_loop_kv else False
 
     # -- shared pieces (paged path and dense reference) -----------------------------------
     def rotations(self, positions: torch.Tensor) -> dict[str, Rotation]:

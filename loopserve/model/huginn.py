@@ -121,9 +121,9 @@ class HuginnModel(LoopedModel):
         z = seeded_normal(seeds, positions, like.shape[-1]).clamp_(-3, 3)
         return (z * self.state_std * self.embed_scale).to(like.dtype)
 
-    def prefix_cache_key(self, seed: int) -> tuple | None:
+    def prefix_cache_seeded(self) -> bool | None:
         """A seeded random initial state makes every token's K/V depend on the request's seed."""
-        return () if self.config.state_init == "zero" else (seed,)
+        return self.config.state_init != "zero"
 
     def loop_input(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.transformer.adapter(torch.cat([x, e], dim=-1))

@@ -97,8 +97,10 @@ def tokenizer_file(tokenizer: str | None, model: str) -> str | None:
     return str(candidate) if candidate.is_file() else None
 
 
-def load_tokenizer(path: str | Path | None, vocab_size: int):
+def load_tokenizer(path: str | Path | None, vocab_size: int | None = None):
+    """The byte tokenizer (path None) or a tokenizer.json; checked against the model's
+    vocab_size when given."""
     tok = ByteTokenizer() if path is None else HFTokenizer(path)
-    if vocab_size < tok.min_vocab:
+    if vocab_size is not None and vocab_size < tok.min_vocab:
         raise ValueError(f"model vocab_size ({vocab_size}) is smaller than the tokenizer's ({tok.min_vocab})")
     return tok

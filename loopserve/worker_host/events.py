@@ -1,7 +1,8 @@
 """What a worker's long poll returns: everything new since the last poll, plus its load.
 
 One pump per worker reads these (not one poll per request), so a batch carries the outputs
-and handoffs of every request the worker serves.
+and handoffs of every request the worker serves, and what its prefix cache stored and dropped
+(the router's index of who holds which prefix).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.handoff import HandoffMessage
+from loopserve.kv_cache import CacheEvents
 
 
 @dataclass(frozen=True)
@@ -31,4 +33,5 @@ class WorkerLoad:
 class WorkerEvents:
     outputs: list[RequestOutput] = field(default_factory=list)
     handoffs: list[HandoffMessage] = field(default_factory=list)  # prefill side
+    cache: list[CacheEvents] = field(default_factory=list)  # prefix-cache changes, in order
     load: WorkerLoad | None = None

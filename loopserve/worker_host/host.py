@@ -18,6 +18,8 @@ from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.handoff import HandoffMessage
+from loopserve.engine.prefix_keys import PrefixKeyer
+from loopserve.kv_cache import CacheEvents
 from loopserve.worker_host.engine_lock import EngineLock
 from loopserve.worker_host.events import WorkerEvents, WorkerLoad
 from loopserve.worker_host.records import RecentIds, StatusTraces
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing to do at all
 POLL_WAIT_S = 0.001  # transfers in flight: poll NIXL this often
+# Prefix-cache changes kept for the next poll; past it they fold into one snapshot, so a
+# router that stops polling costs memory bounded by the cache.
+MAX_CACHE_CHANGES = 1 << 16
 
 
 class EngineHost:
@@ -41,6 +46,9 @@ class EngineHost:
         self._events_cv = threading.Condition()  # the buffers below; taken after _lock, never before
         self._outputs: list[RequestOutput] = []
         self._handoffs: list[HandoffMessage] = []
+        self._cache_events: list[CacheEvents] = []
+        self._cache_changes = 0
+        self.engine.kv_manager.prefix.record_events()
         self._wake = threading.Event()
         self._accepted = 0
         self.traces = StatusTraces()
@@ -85,6 +93,7 @@ class EngineHost:
         ran = sum(counters.values()) != before
         handoffs = self._after_step()
         self._observe(outputs)
+        self._take_cache_events()  # before the outputs: a next request is routed knowing them
         self._publish(outputs, handoffs)
         return moved or ran or bool(outputs)
 
@@ -104,6 +113,24 @@ class EngineHost:
             self._outputs.extend(outputs)
             self._handoffs.extend(handoffs)
             self._events_cv.notify_all()
+
+    def _take_cache_events(self) -> None:
+        """Move the prefix cache's changes to the events buffer (engine lock held)."""
+        prefix = self.engine.kv_manager.prefix
+        ev = prefix.take_events()
+        if not (ev.changes or ev.reset):
+            return
+        with self._events_cv:
+            if ev.reset:
+                self._cache_events, self._cache_changes = [], 0
+            self._cache_events.append(ev)
+            self._cache_changes += len(ev.changes)
+            if self._cache_changes > MAX_CACHE_CHANGES:
+                prefix.record_events()
+                self._cache_events, self._cache_changes = [], 0
+                snapshot = prefix.take_events()
+                self._cache_events.append(snapshot)
+                self._cache_changes = len(snapshot.changes)
 
     def _observe(self, outputs: list[RequestOutput] = ()) -> None:
         """Record the scheduler status of every live request, and FINISHED as outputs say so."""
@@ -154,8 +181,8 @@ class EngineHost:
         with self._events_cv:
             if not (self._outputs or self._handoffs):
                 self._events_cv.wait(timeout)
-            ev = WorkerEvents(self._outputs, self._handoffs)
-            self._outputs, self._handoffs = [], []
+            ev = WorkerEvents(self._outputs, self._handoffs, self._cache_events)
+            self._outputs, self._handoffs, self._cache_events, self._cache_changes = [], [], [], 0
         ev.load = self.load()
         return ev
 
@@ -179,6 +206,10 @@ class EngineHost:
     def _unplaced(self) -> tuple[int, int]:
         """Work accepted but not yet in the scheduler: (requests, looped blocks it will take)."""
         return 0, 0
+
+    def prefix_keyer(self) -> PrefixKeyer | None:
+        """How this engine keys its prefix cache (None: caching is off), for the router."""
+        return self.engine.prefix_keyer
 
     def stats(self) -> dict:
         with self._lock:

@@ -126,7 +126,7 @@ def test_pd_caches_on_both_sides(family):
 
 @pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
 def test_dory(tmp_path_factory, mode):
-    """per_loop caches like the others; last_loop is never cached (Dory.prefix_cache_key)."""
+    """per_loop caches like the others; last_loop is never cached (Dory.prefix_cache_seeded)."""
     from loopserve.engine.config import EngineConfig
     from loopserve.engine.engine_core import EngineCore
     from tests.model.test_dory import models

@@ -36,7 +36,7 @@ from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    ModelCard, ModelList)
 from loopserve.entrypoints.openai.serving import APIError, OpenAIServing
-from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_file
+from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -71,7 +71,7 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> FastAPI:
     path = tokenizer_file(engine.tokenizer, engine.model)  # the engines' own tokenizer
-    tokenizer = HFTokenizer(path) if path else ByteTokenizer()
+    tokenizer = load_tokenizer(path)
     serving = OpenAIServing(router, engine.model, tokenizer, load_chat_template(path),
                             config.limits, config.max_pending_requests)
     token = config.auth_token

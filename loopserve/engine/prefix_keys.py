@@ -1,0 +1,42 @@
+"""PrefixKeyer: how an engine names a prompt's full blocks in its prefix cache, as plain data.
+
+The engine keys its cache with it; a router holding the same keyer (a worker hands it over:
+`prefix_keyer()`) computes the same keys for a new request and routes it where its prefix is
+cached, as the workers' KV events report (cluster/prefix_index.py). A key hashes the block's
+tokens, its parent's key and what else a prompt token's K/V depends on: the model, dtype and
+the request's resolved loop parameters and planes, and the seed for a seeded model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loopserve.engine.sampling_params import SamplingParams
+from loopserve.kv_cache import BlockHash, hash_blocks
+
+
+@dataclass(frozen=True)
+class PrefixKeyer:
+    model: str
+    dtype: str
+    block_size: int
+    default_loops: tuple[int, int, float]  # the model's default min_loops, max_loops, exit_threshold
+    max_loops: int  # the model's bound
+    planes: tuple[int, ...]  # planes[m - 1]: looped KV planes of a request with max_loops m
+    seeded: bool  # a prompt token's K/V depends on the request's seed
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Loop fields filled in as the engine does (ValueError names a bad one)."""
+        return params.resolve_loops(*self.default_loops, self.max_loops)
+
+    def keys(self, token_ids: Sequence[int], params: SamplingParams,
+             seed: int | None) -> tuple[BlockHash, ...] | None:
+        """Keys of the prompt's full blocks for a request with resolved loop `params`; None
+        when they depend on a seed not known yet (a seeded model, no seed given)."""
+        if self.seeded and seed is None:
+            return None
+        p = params
+        key = (self.model, self.dtype, p.min_loops, p.max_loops, p.exit_threshold,
+               self.planes[p.max_loops - 1], (seed,) if self.seeded else ())
+        return hash_blocks(token_ids, self.block_size, key)
