@@ -169,17 +169,18 @@ def report(runs: dict[str, tuple[dict, list[RequestResult], dict]], args: argpar
     return failed
 
 
-def same_greedy_tokens(base: list[RequestResult], other: list[RequestResult], tie_nats: float) -> bool:
-    """Disaggregation must not change a greedy token, but for near-ties that low-precision
-    arithmetic in differently shaped batches can flip: prints the comparison, True if no
-    stream differs beyond `tie_nats`."""
+def same_greedy_tokens(base: list[RequestResult], other: list[RequestResult], tie_nats: float,
+                       names: tuple[str, str] = ("colocated", "1P1D")) -> bool:
+    """Disaggregation (or caching, or routing) must not change a greedy token, but for
+    near-ties that low-precision arithmetic in differently shaped batches can flip: prints the
+    comparison of `names` (base, other), True if no stream differs beyond `tie_nats`."""
     theirs = {r.request_id: r for r in other}
     ties, bad = [], []
     for r in base:
         d = greedy_divergence(r, theirs[r.request_id])
         if d is not None:
             (ties if d[1] <= tie_nats else bad).append((r.request_id, *d))
-    print(f"greedy tokens: 1P1D equals colocated for {len(base) - len(ties) - len(bad)}/{len(base)} requests; "
+    print(f"greedy tokens: {names[1]} equals {names[0]} for {len(base) - len(ties) - len(bad)}/{len(base)} requests; "
           f"{len(ties)} part at a near-tie (<= {tie_nats:g} nats"
           + (f", largest {max(t[2] for t in ties):.3f}" if ties else "") + f"); {len(bad)} differ beyond"
           + (f" (first: {bad[0][0]} at token {bad[0][1]}, gap {bad[0][2]:.3f})" if bad else ""))
