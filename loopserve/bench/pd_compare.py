@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from loopserve.bench.workload import RequestResult, greedy_divergence, make_workload, run_workload, summarize
+from loopserve.bench.workload import (RequestResult, WorkItem, greedy_divergence, make_workload, run_workload,
+                                      summarize)
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import ClusterConfig, load_cluster_config
 from loopserve.engine.config import GPU_FEATURES
@@ -59,11 +60,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[dict, list[RequestRes
         # graphs for each new batch shape on first use.
         warm = make_workload(16, seed=args.seed + 1, max_tokens=8,
                              prompt_words=(args.min_words, args.max_words))
-        failed = [r for r in asyncio.run(run_workload(cluster.router, warm)) if r.error]
-        if failed:
-            raise RuntimeError(f"{len(failed)} of {len(warm)} warm-up requests failed, first: "
-                               f"{failed[0].error}")
-        wait_idle(cluster.handles)
+        warm_up(cluster, warm, mode)
         reads0 = _reads(cluster)
         items = make_workload(args.requests, seed=args.seed, max_tokens=args.max_tokens,
                               rate=args.rate, prompt_words=(args.min_words, args.max_words),
@@ -76,6 +73,16 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[dict, list[RequestRes
         wait_idle(cluster.handles)
         reads = {k: v - reads0.get(k, 0) for k, v in _reads(cluster).items()}
     return summary, results, reads
+
+
+def warm_up(cluster: Cluster, items: list[WorkItem], name: str) -> None:
+    """Run `items` (first uses: kernels compiled, graphs captured, allocators filled) and wait
+    until the workers are idle; raises naming `name` if a request failed."""
+    failed = [r for r in asyncio.run(run_workload(cluster.router, items)) if r.error]
+    if failed:
+        raise RuntimeError(f"{name}: {len(failed)} of {len(items)} warm-up requests failed, "
+                           f"first: {failed[0].error}")
+    wait_idle(cluster.handles)
 
 
 def _reads(cluster: Cluster) -> dict:

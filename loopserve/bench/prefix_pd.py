@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from loopserve.bench.pd_compare import TOP_LOGPROBS, same_greedy_tokens
+from loopserve.bench.pd_compare import TOP_LOGPROBS, same_greedy_tokens, warm_up
 from loopserve.bench.workload import RequestResult, WorkItem, run_workload, summarize
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import ClusterConfig, load_cluster_config
@@ -84,14 +84,9 @@ def cluster_config(arm: Arm, args: argparse.Namespace) -> ClusterConfig:
 
 
 def run_arm(arm: Arm, warm: list[WorkItem], items: list[WorkItem], args: argparse.Namespace) -> ArmRun:
-    """Warm-up (compiles nothing on CPU, but fills the processes' allocators), then the
-    measured run; raises if the warm-up failed."""
+    """A warm-up on other prefixes, then the measured run on a fresh cluster."""
     with Cluster(cluster_config(arm, args)) as cluster:
-        failed = [r for r in asyncio.run(run_workload(cluster.router, warm)) if r.error]
-        if failed:
-            raise RuntimeError(f"{arm.name}: {len(failed)} of {len(warm)} warm-up requests failed, "
-                               f"first: {failed[0].error}")
-        wait_idle(cluster.handles)
+        warm_up(cluster, warm, arm.name)
         before = _counters(cluster)
         t0 = time.perf_counter()
         results = asyncio.run(run_workload(cluster.router, items))
