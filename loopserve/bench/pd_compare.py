@@ -60,7 +60,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[dict, list[RequestRes
         # graphs for each new batch shape on first use.
         warm = make_workload(16, seed=args.seed + 1, max_tokens=8,
                              prompt_words=(args.min_words, args.max_words))
-        warm_up(cluster, warm, mode)
+        warm_up(cluster, warm)
         reads0 = _reads(cluster)
         items = make_workload(args.requests, seed=args.seed, max_tokens=args.max_tokens,
                               rate=args.rate, prompt_words=(args.min_words, args.max_words),
@@ -75,13 +75,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[dict, list[RequestRes
     return summary, results, reads
 
 
-def warm_up(cluster: Cluster, items: list[WorkItem], name: str) -> None:
+def warm_up(cluster: Cluster, items: list[WorkItem]) -> None:
     """Run `items` (first uses: kernels compiled, graphs captured, allocators filled) and wait
-    until the workers are idle; raises naming `name` if a request failed."""
+    until the workers are idle; raises if a request failed."""
     failed = [r for r in asyncio.run(run_workload(cluster.router, items)) if r.error]
     if failed:
-        raise RuntimeError(f"{name}: {len(failed)} of {len(items)} warm-up requests failed, "
-                           f"first: {failed[0].error}")
+        raise RuntimeError(f"{len(failed)} of {len(items)} warm-up requests failed, first: "
+                           f"{failed[0].error}")
     wait_idle(cluster.handles)
 
 

@@ -86,7 +86,7 @@ def cluster_config(arm: Arm, args: argparse.Namespace) -> ClusterConfig:
 def run_arm(arm: Arm, warm: list[WorkItem], items: list[WorkItem], args: argparse.Namespace) -> ArmRun:
     """A warm-up on other prefixes, then the measured run on a fresh cluster."""
     with Cluster(cluster_config(arm, args)) as cluster:
-        warm_up(cluster, warm, arm.name)
+        warm_up(cluster, warm)
         before = _counters(cluster)
         t0 = time.perf_counter()
         results = asyncio.run(run_workload(cluster.router, items))
