@@ -112,10 +112,11 @@ class OpenAIServing:
     def _jobs(self, base: str, prompts: list[str | list[int]], n: int,
               params: Callable[[int], SamplingParams], fields: set[str],
               renames: dict[str, str]) -> list[Job]:
-        if len(prompts) * n > self.limits.max_choices:
-            raise APIError.invalid(
-                f"{len(prompts)} prompt(s) × n {n} = {len(prompts) * n} choices, more than "
-                f"server.limits.max_choices ({self.limits.max_choices}) per request", "n")
+        cap, key = min((self.limits.max_choices, "server.limits.max_choices"),
+                       (self.max_pending, "server.max_pending_requests"))
+        if len(prompts) * n > cap:
+            raise APIError.invalid(f"{len(prompts)} prompt(s) × n {n} = {len(prompts) * n} "
+                                   f"choices, more than {key} ({cap})", "n")
         try:
             choice_params = [params(i) for i in range(n)]
             jobs = [Job(p, sp, f"{base}-{k * n + i}") for k, p in enumerate(prompts)
