@@ -112,7 +112,8 @@ def test_health_answers_while_a_body_streams_in_and_the_body_is_then_served(serv
     ("max_tokens", 2**63, "max_tokens"),
     ("max_tokens", 10**30, "max_tokens"),
     ("priority", 2**70, "priority"),
-    ("prompt", [2**40], "prompt"),
+    ("prompt", [7, 2**40], "prompt[1]"),
+    ("prompt", [[7], [8, 2**40]], "prompt[1][1]"),
     ("stop_token_ids", [2**40], "stop_token_ids[0]"),
 ])
 def test_an_out_of_range_number_is_a_400_naming_its_field_and_limit(server, field, value, param):

@@ -66,8 +66,10 @@ def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """pydantic's first error as one line naming the field (`messages[0].role: ...`)."""
-    err = e.errors()[0]
+    """pydantic's error as one line naming the field (`messages[0].role: ...`): of a union's
+    members' errors, the one that got furthest into the value (`prompt[3]` over `prompt`)."""
+    errors = e.errors()
+    err = max(errors, key=lambda x: len(x["loc"]))
     if err["type"] == "json_invalid":
         why = err["msg"].removeprefix("Invalid JSON: ")
         if why.startswith("recursion limit exceeded"):

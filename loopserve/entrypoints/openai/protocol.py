@@ -3,7 +3,8 @@
 Requests forbid unknown fields: a misspelled loop parameter (`max_loop`) or an OpenAI option
 loopserve does not implement (`tools`) is a 400 naming the field, never silently ignored.
 Options clients send by default are accepted at their neutral value (`presence_penalty` and
-`frequency_penalty` 0, `logit_bias` empty or null, `echo` false, `best_of` null or n) and
+`frequency_penalty` 0, `logit_bias` empty or null, `echo` false, `best_of` null or n,
+`suffix` null) and
 refused, naming them, at any value that would change the output. Types, shapes and the
 wire's ranges (int32, as the engines' protocol carries them) are checked here; the limits of
 values are SamplingParams' own (one place), and its ValueError names the field too.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictInt, ValidationInfo, field_validator
 
 from loopserve.engine.sampling_params import SamplingParams
 
@@ -26,7 +27,18 @@ DEFAULT_MAX_TOKENS = 16
 MAX_N = 128  # choices per prompt (server.limits.max_choices bounds prompts × n)
 INT32_MAX = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts, token ids, loop counts
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts, loop counts
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # "1" is text, never id 1
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast (a list stops at its first bad item: a body of a million bad
+    items costs one error, not a million), hashable as a union member must be on Python 3.11."""
+
+    __hash__ = object.__hash__
+
+
+FAIL_FAST = _FailFast()
 
 
 class _Strict(BaseModel):
@@ -48,14 +60,14 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Count] = Field(default_factory=list)
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
+    stop_token_ids: Annotated[list[TokenId], FAIL_FAST] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, lt=2**63)
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict | None = None  # any map is read as is: only an empty one is accepted
     priority: Int32 = 0  # lower = more important
     min_loops: Count | None = None
     max_loops: Count | None = None
@@ -70,7 +82,7 @@ class _Sampling(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+    def _no_bias(cls, v: dict | None) -> dict | None:
         if v:
             raise ValueError("only an empty map or null is supported (loopserve applies no logit bias)")
         return v
@@ -90,20 +102,20 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     # One text or token-id prompt, or a batch of them (choices are numbered prompt-major).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Tried in this order (strict ints): smart-mode unions validate a long list once per member.
+    prompt: (str | Annotated[list[TokenId], FAIL_FAST] | Annotated[list[str], FAIL_FAST]
+             | Annotated[list[Annotated[list[TokenId], FAIL_FAST]], FAIL_FAST]) = Field(
+        union_mode="left_to_right")
     logprobs: Count | None = None  # the sampled token's logprob plus this many top ones
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, p: str | list) -> str | list:
-        if not p or any(not x for x in p if isinstance(x, (str, list))):
+        if not p or (isinstance(p, list) and not all(p)):
             raise ValueError("must not be empty")
-        ids = [p] if p and isinstance(p[0], int) else [x for x in p if isinstance(x, list)]
-        bad = next((t for x in ids for t in x if not 0 <= t <= INT32_MAX), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside [0, {INT32_MAX}]")
         return p
 
     @field_validator("echo")
@@ -111,6 +123,13 @@ class CompletionRequest(_Sampling):
     def _no_echo(cls, v: bool) -> bool:
         if v:
             raise ValueError("only false is supported (loopserve does not echo the prompt)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("only null or empty is supported (loopserve does not insert text)")
         return v
 
     @field_validator("best_of")
@@ -137,7 +156,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -147,7 +166,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
     max_completion_tokens: Count | None = None  # newer clients' name for max_tokens
     logprobs: bool = False
     top_logprobs: Count | None = None
