@@ -22,7 +22,7 @@ from tests.cluster.conftest import ENGINE, http_serving
 
 MODEL = ENGINE["model"]
 LIMIT = 256 * 1024  # server.limits.max_message_bytes here
-DEADLINE_S = 1.0  # header and body deadlines here
+DEADLINE_S = 2.0  # header and body deadlines here
 HANG_S = 30  # a socket read this long means the server did not act: the test fails
 TOKEN = "s3cret"
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from loopserve.cluster.limits import RequestLimits, check_limits
 from loopserve.cluster.protocol import request_to_proto
 from loopserve.cluster.router import Router
-from loopserve.cluster.status import Code, RequestFailed
+from loopserve.cluster.status import Code
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
