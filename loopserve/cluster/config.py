@@ -90,6 +90,15 @@ class ServerConfig(_Strict):
     tls_cert_file: Path | None = None  # PEM; with tls_key_file: TLS instead of plaintext
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # PEM; clients must present a cert it signed (mTLS)
+    # HTTP: a Jinja chat template file for a model whose checkpoint has none (vLLM's
+    # --chat-template); without either, /v1/chat/completions is a 400 saying so.
+    chat_template: Path | None = None
+    # HTTP slow clients: a request's headers must arrive within http_header_timeout_s of the
+    # connection being ready for it, its body within http_body_timeout_s of its headers; an
+    # idle keep-alive connection is closed after http_keep_alive_s. Else the socket is closed.
+    http_header_timeout_s: float = Field(10.0, gt=0)
+    http_body_timeout_s: float = Field(30.0, gt=0)
+    http_keep_alive_s: float = Field(5.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
@@ -102,7 +111,7 @@ class ServerConfig(_Strict):
                              f"server.worker_deadline_s ({self.worker_deadline_s})")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("server.tls_client_ca_file needs server.tls_cert_file and tls_key_file")
-        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "chat_template"):
             path = getattr(self, key)
             if path is not None and not path.is_file():
                 raise ValueError(f"server.{key} {str(path)!r} does not exist")

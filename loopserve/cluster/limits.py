@@ -23,6 +23,8 @@ class RequestLimits(BaseModel):
     max_stop: int = Field(16, ge=0)  # stop strings per request
     max_stop_bytes: int = Field(256, ge=1)  # one stop string, UTF-8
     max_stop_token_ids: int = Field(64, ge=0)
+    # HTTP: prompts × n of one API request, each a request on the engines
+    max_choices: int = Field(128, ge=1)
 
 
 def check_limits(req: pb.GenerateRequest, limits: RequestLimits) -> None:

@@ -434,8 +434,9 @@ class Router:
         return True
 
     # ------------------------------------------------------------------ migration
-    def _migrate(self, request_id: str, error: str, suspects: set[str]) -> None:
-        """Continue a failed attempt on a healthy entry worker, or end its stream with `error`."""
+    def _migrate(self, request_id: str, error: str, suspects: set[str], code: str = "UNAVAILABLE") -> None:
+        """Continue a failed attempt on a healthy entry worker, or end its stream with `error`
+        and `code` (the failure's: UNAVAILABLE for a lost worker, INTERNAL for an engine fault)."""
         with self._lock:
             st = self._streams.pop(request_id, None)
             if st is None:  # finished, aborted or migrated already
@@ -463,8 +464,7 @@ class Router:
         for w in old:  # survivors free the old attempt's blocks now (a dead one just fails)
             self._tell(w, "abort", request_id)
         if entry is None:
-            self._push(st, RequestOutput.ended(st.request_id, "error", f"{error} ({why})",
-                                               "UNAVAILABLE"))
+            self._push(st, RequestOutput.ended(st.request_id, "error", f"{error} ({why})", code))
             return
         log.warning("%s: %s; continuing on %s as %s after %d token(s)", st.client_id, error,
                     entry.id, st.request_id, len(st.history.tokens))
@@ -509,7 +509,7 @@ class Router:
                 self._route_handoff(w, msg)
             if not (w.failed or ev.load.healthy):  # its engine failed: a dead worker to replace
                 log.error("worker %s failed: %s", w.id, ev.load.error)
-                self._fail_worker(w, f"worker {w.id} failed: {ev.load.error}")
+                self._fail_worker(w, f"worker {w.id} failed: {ev.load.error}", "INTERNAL")
                 self._tell(w, "restart")
 
     def _watch(self) -> None:
@@ -556,7 +556,8 @@ class Router:
                     if self._live.get(st.client_id) == out.request_id:
                         del self._live[st.client_id]
         if failed:  # an engine-side failure (KV read, crashed engine): not the request's fault
-            self._migrate(out.request_id, out.error or "engine error", {w.id, st.entry})
+            self._migrate(out.request_id, out.error or "engine error", {w.id, st.entry},
+                          out.error_code or "INTERNAL")
             return
         self._push(st, out)
 
@@ -593,7 +594,7 @@ class Router:
                 target.unsend()
             self._tell(prefill, "abort", rid)
 
-    def _fail_worker(self, w: _WorkerState, error: str) -> None:
+    def _fail_worker(self, w: _WorkerState, error: str, code: str = "UNAVAILABLE") -> None:
         """Migrate every request the worker held (a prefill worker no longer holds those
         whose decode side has started streaming)."""
         with self._lock:
@@ -602,7 +603,7 @@ class Router:
             hit = [st.request_id for st in self._streams.values()
                    if st.decode == w.id or (st.entry == w.id and not st.decoding)]
         for rid in hit:
-            self._migrate(rid, error, {w.id})
+            self._migrate(rid, error, {w.id}, code)
 
     def _rejoin(self, w: _WorkerState) -> None:
         with self._lock:

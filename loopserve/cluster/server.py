@@ -7,7 +7,8 @@ stream is closed with it). LoopServe's methods take raw request bytes and parse 
 so a malformed message is INVALID_ARGUMENT naming the problem (grpc's own deserializer
 answers INTERNAL). Bad input gets INVALID_ARGUMENT naming the field and its limit, a live
 request's id ALREADY_EXISTS, a full server (max_pending_requests streams) or engine queue
-RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE (up front, or in-band once streaming).
+RESOURCE_EXHAUSTED, no healthy worker UNAVAILABLE (up front, or in-band once streaming): the
+codes of `status.py`, the table the HTTP server answers by too.
 Health answers from the router's own view at once: SERVING, DEGRADED (some worker is down
 or unresponsive, every role still served) or UNAVAILABLE; grpc.health.v1 says SERVING for
 the first two.
@@ -31,24 +32,12 @@ from loopserve.cluster.config import ServerConfig
 from loopserve.cluster.limits import check_limits
 from loopserve.cluster.protocol import parse, request_from_proto, responses_from_output
 from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.router import NoWorkerError, RequestIdInUseError, Router
-from loopserve.scheduler import QueueFullError
+from loopserve.cluster.router import Router
+from loopserve.cluster.status import STATUS, code_of
 
 log = logging.getLogger(__name__)
 SERVICE = "loopserve.v1.LoopServe"
 HEALTH_PERIOD_S = 2.0
-# The caller's mistakes and the server's state, as status codes (first match wins).
-_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NoWorkerError, grpc.StatusCode.UNAVAILABLE),
-)
-_REFUSED = tuple(t for t, _ in _CODES)
-
-
-def _code(e: Exception) -> grpc.StatusCode:
-    return next(code for t, code in _CODES if isinstance(e, t))
 
 
 class LoopServeServicer:
@@ -73,8 +62,10 @@ class LoopServeServicer:
             async for out in stream:
                 for msg in responses_from_output(out, out.request_id, time.time()):
                     yield msg
-        except _REFUSED as e:  # raised before the first output: the stream never started
-            await context.abort(_code(e), str(e))
+        except Exception as e:  # a refusal is raised before the first output: no stream yet
+            if (code := code_of(e)) is None:
+                raise
+            await context.abort(STATUS[code].grpc, str(e))
         finally:
             self.in_flight -= 1
             if stream is not None:

@@ -165,7 +165,7 @@ class DecodeWorker(TransferHost):
         self._release(msg)
         error = f"KV read did not finish within {self.tracker.timeout_s} s"
         log.warning("%s: %s: %s", self.worker_id, request_id, error)
-        self._publish([RequestOutput.ended(request_id, "error", error)])
+        self._publish([RequestOutput.ended(request_id, "error", error, "UNAVAILABLE")])
         self.traces.record(request_id, "FINISHED")
 
     def _release(self, msg: HandoffMessage) -> None:

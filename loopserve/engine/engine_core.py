@@ -330,13 +330,14 @@ class EngineCore:
         self.scheduler.kv_received(request_id)
 
     def kv_failed(self, request_id: str, reason: str) -> None:
-        """Decode role: the KV never arrived; end the request with an error, free its blocks."""
+        """Decode role: the KV never arrived (the peer is lost or too slow); end the request
+        with an UNAVAILABLE error (not the engine's fault), free its blocks."""
         req = self.requests.get(request_id)
         if req is None:
             return
         self.scheduler.abort(request_id)
         req.finish_reason = "error"
-        self._pending_outputs.append(req.take_output(error=reason))
+        self._pending_outputs.append(req.take_output(error=reason, error_code="UNAVAILABLE"))
         self._retire(request_id)
 
     def kv_compat(self) -> dict:

@@ -111,7 +111,7 @@ class Request:
         """Characters held back while a stop string could still match across the next token."""
         return max(map(len, self.params.stop)) - 1 if self.params.stop else 0
 
-    def take_output(self, error: str | None = None) -> RequestOutput:
+    def take_output(self, error: str | None = None, error_code: str | None = None) -> RequestOutput:
         """The news since the last call (tokens, text, depths, timings) as one RequestOutput."""
         hold = 0 if self.finished else self._stop_hold()
         upto = max(self._streamed_chars, len(self.text) - hold)
@@ -126,6 +126,7 @@ class Request:
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=error,
+            error_code=error_code,
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             token_times=tuple(self._new_times),

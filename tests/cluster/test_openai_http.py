@@ -19,17 +19,26 @@ from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.router import Router
 from loopserve.bench.workload import WorkItem
 from loopserve.engine.sampling_params import SamplingParams
-from loopserve.entrypoints.openai.chat_template import DefaultChatTemplate
+from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.protocol import ChatMessage
 from tests.cluster.conftest import ENGINE, colocated_reference, http_serving, until
 
 MODEL = ENGINE["model"]
 LOOPS = {"min_loops": 1, "max_loops": 3, "exit_threshold": 0.7}
+# tiny-huginn has no chat template of its own: the server is given this one (server.chat_template)
+CHAT = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>"
 
 
 @pytest.fixture(scope="module")
-def server(colocated_router):
-    with http_serving(colocated_router) as s:
+def chat_template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "chat.jinja"
+    path.write_text(CHAT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(colocated_router, chat_template):
+    with http_serving(colocated_router, chat_template=chat_template) as s:
         yield s
 
 
@@ -93,8 +102,8 @@ def test_chat_stream_and_not(client):
     kw = dict(model=MODEL, messages=messages, max_tokens=6, seed=11, temperature=0,
               extra_body={"ignore_eos": True, **LOOPS})
     whole = client.chat.completions.create(**kw, logprobs=True, top_logprobs=1)
-    prompt = DefaultChatTemplate().render([ChatMessage(**m) for m in messages])
-    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    prompt = ChatTemplate(CHAT).render([ChatMessage(**m) for m in messages])
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>"
     [(text, depths)] = _reference(prompt, 1, 11, 6)
     c = whole.choices[0]
     assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", text, "length")
@@ -122,7 +131,8 @@ def test_stop_string_cuts_the_reply(client):
     ({"prompt": "x", "extra_body": {"min_loops": 0}}, "min_loops"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "max_tokens": 600}, "prompt"),  # prompt + max_tokens > max_model_len
+    ({"prompt": "x", "max_tokens": 600}, "max_tokens"),  # no prompt fits beside it
+    ({"prompt": "x" * 500, "max_tokens": 100}, "prompt"),  # prompt + max_tokens > max_model_len
     ({"prompt": "", "max_tokens": 1}, "prompt"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),  # over server.limits.max_stop
 ])
@@ -215,7 +225,7 @@ def test_metrics_agree_with_a_run(client, server):
     r = client.completions.create(model=MODEL, prompt="count me", max_tokens=4, n=3, seed=1,
                                   extra_body={"ignore_eos": True, **LOOPS})
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=600)
+        client.completions.create(model=MODEL, prompt="x" * 500, max_tokens=100)
     after = _metrics(server)
 
     def delta(key: str) -> float:
@@ -307,18 +317,18 @@ def test_engine_failure_is_a_500_then_no_healthy_worker_a_503():
         handle.shutdown()
 
 
-def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers):
+def test_stream_over_1p1d_and_its_transfer_metrics(pd_workers, chat_template):
     p, d = pd_workers["prefill"][0], pd_workers["decode"][0]
     router = Router([p], [d], poll_s=0.1).start()
     try:
-        with http_serving(router) as s:
+        with http_serving(router, chat_template=chat_template) as s:
             chunks = list(_client(s).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "over PD"}], max_tokens=5,
                 seed=2, temperature=0, stream=True, extra_body={"ignore_eos": True, **LOOPS}))
             m = _metrics(s)
     finally:
         router.close()
-    prompt = DefaultChatTemplate().render([ChatMessage(role="user", content="over PD")])
+    prompt = ChatTemplate(CHAT).render([ChatMessage(role="user", content="over PD")])
     [(text, depths)] = _reference(prompt, 1, 2, 5)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
     assert [x for ch in chunks for x in ch.choices[0].exit_depths] == depths

@@ -27,7 +27,9 @@ CONFIG = {"mode": "colocated", "launcher": "process",
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     """The server process and its HTTP URL, read from its 'loopserve serving' line."""
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(yaml.safe_dump(CONFIG))
+    template = tmp_path / "chat.jinja"  # tiny-ouro has none of its own: chat needs one named
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    cfg.write_text(yaml.safe_dump({**CONFIG, "server": {**CONFIG["server"], "chat_template": str(template)}}))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "loopserve.cli", "serve", "--config", str(cfg),
                              "--duration", "300"], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -1,34 +1,23 @@
-"""Chat messages to one prompt: the checkpoint's own chat template, else a documented default.
+"""Chat messages to one prompt: the checkpoint's own chat template, or the one the server names.
 
 A checkpoint's template is the `chat_template` of the `tokenizer_config.json` beside its
 tokenizer file (Hugging Face's layout), a Jinja template rendered in a sandbox with
 `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`, as transformers'
-`apply_chat_template` does. Without one (the embedded models: byte tokenizer) the default is
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|assistant|>\\n
-
-one block per message in order, then the assistant's header for the reply.
+`apply_chat_template` does. `server.chat_template` (a Jinja file) replaces it, as vLLM's
+`--chat-template` does. A model with neither has no chat template: it was not trained on
+chat turns (the embedded models), so no prompt form would be one it knows, and
+/v1/chat/completions refuses it (as vLLM does) rather than invent one.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
 
 from loopserve.entrypoints.openai.protocol import ChatMessage
 
 
-class ChatTemplate(Protocol):
-    def render(self, messages: list[ChatMessage]) -> str: ...
-
-
-class DefaultChatTemplate:
-    def render(self, messages: list[ChatMessage]) -> str:
-        return "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages) + "<|assistant|>\n"
-
-
-class JinjaChatTemplate:
+class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -49,18 +38,14 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def load_chat_template(tokenizer_file: str | None) -> ChatTemplate:
-    """The template of the checkpoint whose tokenizer is `tokenizer_file`, else the default."""
-    if tokenizer_file is None:
-        return DefaultChatTemplate()
-    config_file = Path(tokenizer_file).parent / "tokenizer_config.json"
-    if not config_file.is_file():
-        return DefaultChatTemplate()
-    config = json.loads(config_file.read_text())
-    source = config.get("chat_template")
+def load_chat_template(tokenizer_file: str | None, override: Path | None = None) -> ChatTemplate | None:
+    """`override`'s template, else that of the checkpoint whose tokenizer is `tokenizer_file`
+    (special tokens from its config either way), else None."""
+    config_file = Path(tokenizer_file).parent / "tokenizer_config.json" if tokenizer_file else None
+    config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
+    source = override.read_text() if override is not None else config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
-        return DefaultChatTemplate()
-    return JinjaChatTemplate(source, _token_text(config.get("bos_token")),
-                             _token_text(config.get("eos_token")))
+        return None
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))

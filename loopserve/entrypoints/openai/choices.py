@@ -2,8 +2,9 @@
 
 Each choice is its own request on the engines, pumped by its own task, so a slow choice never
 holds back another's tokens. `start()` waits until every choice has its first output or was
-refused: a refusal (bad input, backpressure, no worker) must become the HTTP status before a
-response starts, so the others are closed and it is raised. `close()` is synchronous (it
+refused or failed: a refusal (bad input, backpressure, no worker) or a failure before any
+output (its worker lost: RequestFailed with the output's code) must become the HTTP status
+before a response starts, so the others are closed and it is raised. `close()` is synchronous (it
 only cancels the pumps) because it runs where a disconnected client's response is being
 cancelled and awaits may be cancelled again; each cancelled router stream aborts its request
 on every engine holding it.
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from loopserve.cluster.router import Router
+from loopserve.cluster.status import RequestFailed
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 
@@ -42,6 +44,9 @@ class ChoiceStreams:
         try:
             async for out in router.generate(job.prompt, job.params, job.request_id):
                 if not first.done():
+                    if out.finished and out.finish_reason == "error":
+                        first.set_exception(RequestFailed(out.error or "engine error", out.error_code))
+                        return
                     first.set_result(None)
                 self._queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - a refusal (start() raises it), or a failure

@@ -1,9 +1,13 @@
 """OpenAI API request and response bodies (pydantic), and their mapping onto SamplingParams.
 
 Requests forbid unknown fields: a misspelled loop parameter (`max_loop`) or an OpenAI option
-loopserve does not implement (`echo`, `presence_penalty`, `tools`) is a 400 naming the field,
-never silently ignored. Types and shapes are checked here; the limits of values are
-SamplingParams' own (one place), and its ValueError names the field too.
+loopserve does not implement (`tools`) is a 400 naming the field, never silently ignored.
+Options clients send by default are accepted at their neutral value (`presence_penalty` and
+`frequency_penalty` 0, `logit_bias` empty or null, `echo` false, `best_of` null or n,
+`suffix` null) and
+refused, naming them, at any value that would change the output. Types, shapes and the
+wire's ranges (int32, as the engines' protocol carries them) are checked here; the limits of
+values are SamplingParams' own (one place), and its ValueError names the field too.
 
 Defaults follow OpenAI's (temperature 1, top_p 1, n 1), except `max_tokens`: 16 for chat as
 for completions, since the engine reserves KV for max_tokens at admission and OpenAI's chat
@@ -13,14 +17,28 @@ default (the rest of the context) would reserve the whole context for every requ
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictInt, ValidationInfo, field_validator
 
 from loopserve.engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
-MAX_N = 128  # choices per request: each is a request on the engines
+MAX_N = 128  # choices per prompt (server.limits.max_choices bounds prompts × n)
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts, loop counts
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # "1" is text, never id 1
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast (a list stops at its first bad item: a body of a million bad
+    items costs one error, not a million), hashable as a union member must be on Python 3.11."""
+
+    __hash__ = object.__hash__
+
+
+FAIL_FAST = _FailFast()
 
 
 class _Strict(BaseModel):
@@ -35,22 +53,39 @@ class _Sampling(_Strict):
     """Fields both endpoints share; the loop parameters and vLLM's extras are extra body fields."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Count | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int32 = 0
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
+    stop_token_ids: Annotated[list[TokenId], FAIL_FAST] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     user: str | None = None
-    priority: int = 0  # lower = more important
-    min_loops: int | None = None
-    max_loops: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None  # any map is read as is: only an empty one is accepted
+    priority: Int32 = 0  # lower = more important
+    min_loops: Count | None = None
+    max_loops: Count | None = None
     exit_threshold: float | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError(f"only 0 is supported (loopserve applies no such penalty), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("only an empty map or null is supported (loopserve applies no logit bias)")
+        return v
 
     def sampling_params(self, index: int, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
         """Choice `index`'s params: with a seed, choice i samples with seed + i (n distinct
@@ -67,15 +102,44 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     # One text or token-id prompt, or a batch of them (choices are numbered prompt-major).
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # the sampled token's logprob plus this many top ones
+    # Tried in this order (strict ints): smart-mode unions validate a long list once per member.
+    prompt: (str | Annotated[list[TokenId], FAIL_FAST] | Annotated[list[str], FAIL_FAST]
+             | Annotated[list[Annotated[list[TokenId], FAIL_FAST]], FAIL_FAST]) = Field(
+        union_mode="left_to_right")
+    logprobs: Count | None = None  # the sampled token's logprob plus this many top ones
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, p: str | list) -> str | list:
-        if not p or any(not x for x in p if isinstance(x, (str, list))):
+        if not p or (isinstance(p, list) and not all(p)):
             raise ValueError("must not be empty")
         return p
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("only false is supported (loopserve does not echo the prompt)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("only null or empty is supported (loopserve does not insert text)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"only null or n ({n}) is supported (loopserve returns every "
+                             f"sample it draws), got {v}")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -92,7 +156,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -102,10 +166,17 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # newer clients' name for max_tokens
+    messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
+    max_completion_tokens: Count | None = None  # newer clients' name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
 
     def params(self, index: int) -> SamplingParams:
         n_top = (self.top_logprobs or 0) if self.logprobs else None
@@ -219,7 +290,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

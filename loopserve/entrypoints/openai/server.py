@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) over a Router, beside the gRPC server.
 
 Routes: POST /v1/completions and /v1/chat/completions (SSE with `"stream": true`), GET
-/v1/models, /health, /metrics (Prometheus). It shares the gRPC server's ServerConfig: host
-(127.0.0.1 by default), TLS files, request limits, max_pending_requests (counted apart: each
-front admits that many) and the bearer token, which every route then needs (401 without it,
-as every RPC is UNAUTHENTICATED without it). Errors are OpenAI error objects naming the field:
-400 bad input, 404 unknown model, 413 body over server.limits.max_message_bytes, 429
-backpressure, 503 no healthy worker of a needed role, 500 an engine failure.
+/v1/models, /v1/models/{id}, /health, /metrics (Prometheus). It shares the gRPC server's
+ServerConfig: host (127.0.0.1 by default), TLS files, request limits, max_pending_requests
+(counted apart: each front admits that many engine requests) and the bearer token, which
+then comes first on every path (401 before routing, before the body is read), as every RPC
+is UNAUTHENTICATED without it. Bodies are read within server.limits.max_message_bytes
+whatever their framing (`body.py`); slow sockets are closed (`sockets.py`). Errors are OpenAI
+error objects naming the field: 400 bad input, 401, 404 unknown model or path, 413 body too
+large, and by the code table of `cluster/status.py`: 429 backpressure and 503 a lost or no
+healthy worker (both with Retry-After), 500 an engine fault.
 """
 
 from __future__ import annotations
@@ -18,49 +21,57 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loopserve.cluster.auth import bearer
 from loopserve.cluster.config import ServerConfig
 from loopserve.cluster.router import Router
 from loopserve.engine.config import EngineConfig
+from loopserve.entrypoints.openai.body import read_request
 from loopserve.entrypoints.openai.chat_template import load_chat_template
+from loopserve.entrypoints.openai.errors import APIError
 from loopserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    ModelCard, ModelList)
-from loopserve.entrypoints.openai.serving import APIError, OpenAIServing
+from loopserve.entrypoints.openai.serving import OpenAIServing
+from loopserve.entrypoints.openai.sockets import BoundedH11Protocol
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}
+# h11's bound on a request line plus headers (uvicorn's default): larger ones are a 400.
+MAX_HEADER_BYTES = 16 * 1024
 
 
 def _json(body: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=status)
 
 
-def _error(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body().model_dump(), status_code=e.status, headers=headers)
+class _Auth:
+    """With a token, every request needs it before anything else runs: before routing (an
+    unknown path is a 401, not a 404) and before its body is read (a 401, never a 400/413)."""
 
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app, self.expected = app, expected
 
-def _validation_error(e: RequestValidationError) -> APIError:
-    """pydantic's first error as one line naming the field (`messages[0].role: ...`)."""
-    err = e.errors()[0]
-    loc = [x for x in err["loc"] if x != "body"]
-    param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or None
-    msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-    if err["type"] == "json_invalid":
-        param, msg = None, f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}"
-    return APIError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                error = APIError(401, "missing or wrong bearer token (send 'Authorization: Bearer "
+                                 "<token>')", "authentication_error", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _disconnected(request: Request) -> None:
@@ -72,54 +83,60 @@ async def _disconnected(request: Request) -> None:
 def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> FastAPI:
     path = tokenizer_file(engine.tokenizer, engine.model)  # the engines' own tokenizer
     tokenizer = load_tokenizer(path)
-    serving = OpenAIServing(router, engine.model, tokenizer, load_chat_template(path),
+    serving = OpenAIServing(router, engine.model, engine.max_model_len, tokenizer,
+                            load_chat_template(path, config.chat_template),
                             config.limits, config.max_pending_requests)
     token = config.auth_token
-    expected = bearer(token.get_secret_value()).encode() if token else None
+    limit = config.limits.max_message_bytes
     created = int(time.time())
+    card = ModelCard(id=engine.model, created=created, max_model_len=engine.max_model_len)
 
-    async def admit(request: Request) -> None:
-        if expected is not None:
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                raise APIError(401, "missing or wrong bearer token (send 'Authorization: Bearer "
-                               "<token>')", "authentication_error")
-        size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > config.limits.max_message_bytes:
-            raise APIError(413, f"request body has {size} bytes, more than "
-                           f"server.limits.max_message_bytes ({config.limits.max_message_bytes})",
-                           "invalid_request_error")
-
-    app = FastAPI(title="loopserve", dependencies=[Depends(admit)])
-    app.add_exception_handler(APIError, lambda _, e: _error(e))
-    app.add_exception_handler(RequestValidationError, lambda _, e: _error(_validation_error(e)))
-    app.add_exception_handler(HTTPException, lambda _, e: _error(APIError(
-        e.status_code, str(e.detail), STATUS_TYPES.get(e.status_code, "invalid_request_error"))))
+    # No /docs, /redoc, /openapi.json: the API is OpenAI's (README), and bodies are parsed
+    # here within their limit rather than by FastAPI, so its schema would not show them.
+    app = FastAPI(title="loopserve", docs_url=None, redoc_url=None, openapi_url=None)
+    if token is not None:
+        app.add_middleware(_Auth, expected=bearer(token.get_secret_value()).encode())
+    app.add_exception_handler(APIError, lambda _, e: e.response())
+    app.add_exception_handler(HTTPException, lambda _, e: APIError(
+        e.status_code, str(e.detail), STATUS_TYPES.get(e.status_code, "invalid_request_error")).response())
 
     def respond(result) -> Response:
         if isinstance(result, BaseModel):
             return _json(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
+    async def serve(request: Request, model: type[BaseModel],
+                    call: Callable[[BaseModel, Callable[[], Awaitable[None]]], Awaitable]) -> Response:
+        try:
+            body = await read_request(request, model, limit)
+        except ClientDisconnect:  # gone (or too slow: sockets.py closed it); nobody to answer
+            return Response(status_code=499)
+        return respond(await call(body, lambda: _disconnected(request)))
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return respond(await serving.completion(body, lambda: _disconnected(request)))
+    async def completions(request: Request) -> Response:
+        return await serve(request, CompletionRequest, serving.completion)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return respond(await serving.chat(body, lambda: _disconnected(request)))
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, ChatCompletionRequest, serving.chat)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(ModelList(data=[ModelCard(id=engine.model, created=created,
-                                               max_model_len=engine.max_model_len)]))
+        return _json(ModelList(data=[card]))
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        serving.check_model(model)
+        return _json(card)
 
     @app.get("/health")
     async def health() -> Response:
         ok, status = router.serving()  # the router's own view: answers at once
-        if not ok:
-            raise APIError(503, status, "service_unavailable")
-        return JSONResponse({"status": "ok" if status == "SERVING" else status})
+        word = "ok" if status == "SERVING" else status.split(":", 1)[0].lower()
+        # Which worker is down and why (actor ids, pids) only for a caller who sent the token.
+        body = {"status": word, **({"detail": status} if token is not None and status != "SERVING" else {})}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -174,8 +191,12 @@ class HttpServer:
             sock.close()
             raise OSError(f"cannot bind the HTTP server to {self.host}:{self.port}: {e}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace, **_tls(self.config))
+        c = self.config
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=grace, timeout_keep_alive=c.http_keep_alive_s,
+            http=BoundedH11Protocol.with_deadlines(c.http_header_timeout_s, c.http_body_timeout_s),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **_tls(c))
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:  # uvicorn has no started event to await

@@ -2,8 +2,12 @@
 
 Every choice is one router request (`choices.py`); its outputs become the OpenAI response
 (non-streaming) or SSE chunks (`data: {...}` lines, then `data: [DONE]`). The router's
-refusals become HTTP statuses before any response starts (APIError); an engine error after
-the first output ends a stream with an error event, or a non-streaming request with a 500.
+refusals, and errors a request meets before its first output, become HTTP statuses before any
+response starts (APIError, by the code table of `cluster/status.py`: 503 with Retry-After for a
+lost worker); an error after the first output ends a stream with an error event of that code,
+or a non-streaming request with its status.
+One API request is prompts × n engine requests: at most server.limits.max_choices, and
+server.max_pending_requests counts engine requests.
 """
 
 from __future__ import annotations
@@ -17,50 +21,18 @@ from pydantic import BaseModel
 
 from loopserve.cluster.limits import RequestLimits, check_limits
 from loopserve.cluster.protocol import request_to_proto
-from loopserve.cluster.router import NoWorkerError, Router
+from loopserve.cluster.router import Router
+from loopserve.cluster.status import Code
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.choices import ChoiceStreams, Job
+from loopserve.entrypoints.openai.errors import APIError, refusal
 from loopserve.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, Delta, ErrorInfo, ErrorResponse, TokenLogprob,
-    TopLogprob, Usage)
+    CompletionRequest, CompletionResponse, Delta, TokenLogprob, TopLogprob, Usage)
 from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer
-from loopserve.scheduler import QueueFullError
-
-
-class APIError(Exception):
-    """An OpenAI error object with its HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param = status, type_, param
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=str(self), type=self.type, param=self.param,
-                                             code=self.status))
-
-
-def _param(message: str, fields: set[str], renames: dict[str, str]) -> str | None:
-    """The request field a ValueError's message starts with ("top_p must be ...",
-    "sampling.stop[0] has ...", "prompt.text has ..."), as the endpoint spells it."""
-    word = message.split(" ", 1)[0].removeprefix("sampling.").split("[")[0].split(".")[0]
-    word = renames.get(word, word)
-    return word if word in fields else None
-
-
-def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError | None:
-    """The router's or engine's refusal of a request as the status OpenAI clients expect
-    (None: not a refusal)."""
-    if isinstance(e, QueueFullError):
-        return APIError(429, str(e), "rate_limit_error")
-    if isinstance(e, NoWorkerError):
-        return APIError(503, str(e), "service_unavailable")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e), "invalid_request_error", _param(str(e), fields, renames))
-    return None
 
 
 class TokenText:
@@ -90,7 +62,7 @@ class _Choice:
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     prompt_tokens: int = 0
     finish_reason: str | None = None
-    error: str | None = None
+    final: RequestOutput | None = None  # the last output (its error, if it failed)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text_delta
@@ -100,7 +72,7 @@ class _Choice:
         self.top.extend(out.top_logprobs or ())
         self.prompt_tokens = max(self.prompt_tokens, out.num_prompt_tokens)
         if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.final = out.finish_reason, out
 
 
 def _usage(choices: list[_Choice], n: int) -> Usage:
@@ -115,25 +87,36 @@ def sse(body: BaseModel | str) -> str:
     return f"data: {body if isinstance(body, str) else body.model_dump_json()}\n\n"
 
 
+def _failed(out: RequestOutput) -> APIError:
+    """A request's error output as its status (the code it carries; none: an engine fault)."""
+    return APIError.of(Code(out.error_code or Code.INTERNAL), out.error or "engine error")
+
+
 class OpenAIServing:
     """The endpoints' logic over one router. Each call's `disconnected` completes when its
     client goes away: its choices are closed then, and every engine aborts their requests."""
 
-    def __init__(self, router: Router, model_name: str, tokenizer: ByteTokenizer | HFTokenizer,
-                 chat_template: ChatTemplate,
+    def __init__(self, router: Router, model_name: str, max_model_len: int,
+                 tokenizer: ByteTokenizer | HFTokenizer, chat_template: ChatTemplate | None,
                  limits: RequestLimits, max_pending: int) -> None:
         self.router = router
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.tokens = TokenText(tokenizer)
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # None: the model has none, chat is refused
         self.limits = limits
         self.max_pending = max_pending
-        self.in_flight = 0  # API requests whose choices are open (one event loop: no lock)
+        self.in_flight = 0  # engine requests of open choices (one event loop: no lock)
 
     # ------------------------------------------------------------------ shared
     def _jobs(self, base: str, prompts: list[str | list[int]], n: int,
               params: Callable[[int], SamplingParams], fields: set[str],
               renames: dict[str, str]) -> list[Job]:
+        cap, key = min((self.limits.max_choices, "server.limits.max_choices"),
+                       (self.max_pending, "server.max_pending_requests"))
+        if len(prompts) * n > cap:
+            raise APIError.invalid(f"{len(prompts)} prompt(s) × n {n} = {len(prompts) * n} "
+                                   f"choices, more than {key} ({cap})", "n")
         try:
             choice_params = [params(i) for i in range(n)]
             jobs = [Job(p, sp, f"{base}-{k * n + i}") for k, p in enumerate(prompts)
@@ -146,12 +129,12 @@ class OpenAIServing:
 
     async def _open(self, jobs: list[Job], disconnected: Callable[[], Awaitable[object]],
                     fields: set[str], renames: dict[str, str]) -> ChoiceStreams:
-        if self.in_flight >= self.max_pending:
-            raise APIError(429, f"{self.in_flight} requests in flight, the most "
-                           f"server.max_pending_requests ({self.max_pending}) allows; retry later",
-                           "rate_limit_error")
-        self.in_flight += 1
-        choices = ChoiceStreams(self.router, jobs, on_close=self._closed)
+        if self.in_flight + len(jobs) > self.max_pending:
+            raise APIError.of(Code.RESOURCE_EXHAUSTED, (
+                f"{self.in_flight} engine requests in flight and this request's {len(jobs)} "
+                f"would pass server.max_pending_requests ({self.max_pending}); retry later"))
+        self.in_flight += len(jobs)
+        choices = ChoiceStreams(self.router, jobs, on_close=lambda: self._closed(len(jobs)))
         choices.close_when(disconnected)
         try:
             await choices.start()
@@ -161,26 +144,34 @@ class OpenAIServing:
             raise error from None
         return choices
 
-    def _closed(self) -> None:
-        self.in_flight -= 1
+    def _closed(self, engine_requests: int) -> None:
+        self.in_flight -= engine_requests
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                           f"`{self.model_name}`)", "not_found_error", "model")
+                           f"`{self.model_name}`)", "not_found_error", "model", "model_not_found")
+
+    def _check_max_tokens(self, max_tokens: int | None, param: str) -> None:
+        """A max_tokens no prompt fits beside is that field's fault, not the prompt's."""
+        if max_tokens is not None and max_tokens >= self.max_model_len:
+            raise APIError.invalid(
+                f"{max_tokens} leaves no room for a prompt: prompt tokens + {param} must be <= "
+                f"max_model_len ({self.max_model_len})", param)
 
     async def _collect(self, choices: ChoiceStreams, n: int) -> list[_Choice]:
         got = [_Choice() for _ in range(n)]
         async for i, out in choices:
             got[i].add(out)
         if failed := next((c for c in got if c.finish_reason == "error"), None):
-            raise APIError(500, failed.error or "engine error", "server_error")
+            raise _failed(failed.final)
         return got
 
     # ------------------------------------------------------------------ completions
     async def completion(self, req: CompletionRequest, disconnected: Callable[[], Awaitable[object]]
                          ) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
+        self._check_max_tokens(req.max_tokens, "max_tokens")
         fields = set(CompletionRequest.model_fields)
         base = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompts()
@@ -218,7 +209,7 @@ class OpenAIServing:
                 offset = len(got[i].text)
                 got[i].add(out)
                 if out.finished and out.finish_reason == "error":
-                    yield sse(APIError(500, out.error or "engine error", "server_error").body())
+                    yield sse(_failed(out).body())
                     break
                 if out.new_token_ids or out.text_delta or out.finished:
                     lp = None if req.logprobs is None else self._completion_logprobs(
@@ -239,6 +230,16 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, disconnected: Callable[[], Awaitable[object]]
                    ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
+        if self.chat_template is None:
+            raise APIError.invalid(
+                f"this model ({self.model_name}) has no chat template: its checkpoint defines "
+                f"none and server.chat_template is not set, so chat messages have no prompt form "
+                f"it was trained on; use /v1/completions, or set server.chat_template to a Jinja "
+                f"template file", "messages")
+        if req.max_completion_tokens is not None:
+            self._check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+        else:
+            self._check_max_tokens(req.max_tokens, "max_tokens")
         fields = set(ChatCompletionRequest.model_fields)
         renames = {"prompt": "messages", "logprobs": "top_logprobs"}
         base = f"chatcmpl-{uuid.uuid4().hex}"
@@ -280,7 +281,7 @@ class OpenAIServing:
             async for i, out in choices:
                 got[i].add(out)
                 if out.finished and out.finish_reason == "error":
-                    yield sse(APIError(500, out.error or "engine error", "server_error").body())
+                    yield sse(_failed(out).body())
                     break
                 if out.new_token_ids or out.text_delta:
                     lp = self._chat_logprobs(out.new_token_ids, out.logprobs or (),

@@ -1,0 +1,68 @@
+"""Error codes and what each front answers for them: one table for gRPC and HTTP.
+
+Every error a request can meet has a code, a gRPC status code name, set where the error
+arises: a refusal before the first output by its exception's type (`code_of`), an in-band
+error by `RequestOutput.error_code` (the router: UNAVAILABLE for a lost worker or no healthy
+one, or the code of the failure it gave up migrating; a decode worker: UNAVAILABLE for a KV
+read that failed; an engine fault: none, that is INTERNAL). The gRPC server answers
+`Status.grpc`, the HTTP server `Status.http` (with Retry-After when `retry`); nothing parses
+messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import grpc
+
+from loopserve.cluster.router import NoWorkerError, RequestIdInUseError
+from loopserve.scheduler import QueueFullError
+
+RETRY_AFTER_S = 1  # what HTTP's Retry-After says for a transient refusal
+
+
+class Code(str, Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+@dataclass(frozen=True)
+class Status:
+    grpc: grpc.StatusCode
+    http: int
+    type: str  # the OpenAI error object's `type`
+    retry: bool  # transient: a client may retry the same request
+
+
+STATUS: dict[Code, Status] = {
+    Code.INVALID_ARGUMENT: Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", False),
+    Code.ALREADY_EXISTS: Status(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", False),
+    Code.RESOURCE_EXHAUSTED: Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", True),
+    Code.UNAVAILABLE: Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", True),
+    Code.INTERNAL: Status(grpc.StatusCode.INTERNAL, 500, "server_error", False),
+}
+
+
+# First match wins: an id in use is a ValueError too.
+_REFUSALS: tuple[tuple[type[Exception], Code], ...] = (
+    (RequestIdInUseError, Code.ALREADY_EXISTS), (ValueError, Code.INVALID_ARGUMENT),
+    (QueueFullError, Code.RESOURCE_EXHAUSTED), (NoWorkerError, Code.UNAVAILABLE))
+
+
+class RequestFailed(RuntimeError):
+    """A request that ended in an error once accepted, with the code its output carried."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.code = Code(code) if code else Code.INTERNAL
+
+
+def code_of(e: Exception) -> Code | None:
+    """The code of a refusal (None: not one of the refusals, i.e. a bug to propagate)."""
+    if isinstance(e, RequestFailed):
+        return e.code
+    return next((code for kind, code in _REFUSALS if isinstance(e, kind)), None)
