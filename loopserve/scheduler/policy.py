@@ -155,8 +155,12 @@ class Policy:
         for s in scored:
             g = s.plan.group
             first_ready[g] = min(first_ready.get(g, s.oldest), s.oldest)
-        scored.sort(key=lambda s: (s.rank, max(first_ready[s.plan.group], turn.get(s.plan.group, -1)),
-                                   s.plan.group, s.within))
+        def key(s: Scored) -> tuple:
+            g = s.plan.group
+            last = turn.get(g, -1)  # equal ages: the group served longer ago first
+            return (s.rank, max(first_ready[g], last), last, g, s.within)
+
+        scored.sort(key=key)
         return scored
 
 
