@@ -135,7 +135,7 @@ class Policy:
                 max_wait: int) -> list[Scored]:
         lanes = queues.lanes
         scored: list[Scored] = []
-        turn: dict[int, int] = {}  # group -> its age: oldest entry ready, or last served if later
+        turn: dict[int, int] = {}  # group -> the tick one of its plans was last served
         for plan in self.plans:
             g = plan.group
             last = served.get(plan, -1)
@@ -155,9 +155,12 @@ class Policy:
         for s in scored:
             g = s.plan.group
             first_ready[g] = min(first_ready.get(g, s.oldest), s.oldest)
+
         def key(s: Scored) -> tuple:
             g = s.plan.group
-            last = turn.get(g, -1)  # equal ages: the group served longer ago first
+            last = turn.get(g, -1)
+            # age: its oldest entry's ready tick, or its last turn if later; equal ages: the
+            # group served longer ago first
             return (s.rank, max(first_ready[g], last), last, g, s.within)
 
         scored.sort(key=key)
