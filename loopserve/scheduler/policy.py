@@ -15,11 +15,12 @@ waiting priority; every other policy ranks all requests 0):
   time and the last time one of its plans was served, oldest first, so a group just served
   goes behind every group that has been waiting (decode is never starved by prompts, nor
   prompts by decode). Ties: decode, then speculation, then prompt lanes by stage.
-* Within a group, the widest plan (most ready requests) first: a group of requests out of
-  phase waits while the larger one comes round to its Operation, and then both run in one
-  batch, so groups converge. A plan whose oldest entry has waited `max_wait_steps` schedule
-  steps is overdue and goes before every plan of its group that is not, oldest first: the
-  starvation bound. Ties: later stages first (CODA, RECURRENT, PRELUDE).
+* Within a group, the widest plan (most ready requests; a CODA plan counts 1/CODA_HOLD of
+  them) first: a group of requests out of phase waits while the larger one comes round to its
+  Operation, and then both run in one batch, so groups converge. A plan whose oldest entry
+  has been passed over `max_wait_steps` schedule steps is overdue and goes before every plan
+  of its group that is not, oldest first: the starvation bound (docs/scheduler.md states it).
+  Ties: later stages first (CODA, RECURRENT, PRELUDE).
 
 Mixed: when both recurrent lanes hold work and no plan is overdue, the mixed recurrent batch
 comes first.
