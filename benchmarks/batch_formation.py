@@ -6,7 +6,8 @@ each request's tokens, so every measured schedule is one an engine accepts, and 
 configuration takes a second or two where the real tiny engine would spend minutes of CPU on
 model math that does not change which batches form (the width is the scheduler's doing). Its
 re-read of every item's whole context is off here (O(context) per item, thousands of
-positions); the default suite's test_sched_batch_width.py runs the same workload with it on.
+positions), and so is the invariant recount after every prompt step (once at the end); the
+default suite's test_sched_batch_width.py runs the same workload with both on.
 
 Workload (issue 41): C requests with 1024-token prompts (256 at C >= 256) arrive at once, the
 pool holds all of them (full reservation), max_num_seqs = C, max_num_batched_tokens = 2048
@@ -103,7 +104,7 @@ def main() -> None:
             for c in args.sizes:
                 plen = args.long_prompt if c < 256 else args.short_prompt
                 new, old = (measure(c, adaptive, policy, plen, args.steps, args.settle, args.seed,
-                                    check_context=False, prepare=use_old_order if o else None)
+                                    checks=False, prepare=use_old_order if o else None)
                             for o in (False, True))
                 print(line(policy, adaptive, c, "new", new))
                 print(line(policy, adaptive, c, "old", old)
