@@ -12,7 +12,8 @@ default suite's test_sched_batch_width.py runs the same workload with both on.
 Workload (issue 41): C requests with 1024-token prompts (256 at C >= 256) arrive at once, the
 pool holds all of them (full reservation), max_num_seqs = C, max_num_batched_tokens = 2048
 (the engine's default: atomic prompts enter two at a time, so decode starts in groups; mixed:
-split prefill, 256-token chunks), synchronous retire (the engine's default). After the last
+split prefill, 256-token chunks), synchronous retire (the engine's default; --lag 1: a batch
+retires 0 or 1 steps late, as with async_scheduling). After the last
 first token, --settle steps, then --steps measured steps. Depth: fixed 4 loops, or adaptive
 exit with final exits drawn from tiny-ouro's histogram at exit_threshold 0.6 (mean 2.19).
 Every registered policy (priority with equal priorities).
@@ -91,10 +92,11 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=1024)
     ap.add_argument("--short-prompt", type=int, default=256, help="prompt length at C >= 256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lag", type=int, default=0, help="1: retire a step late at random (async_scheduling)")
     args = ap.parse_args()
     assert set(POLICIES) == set(POLICY_CONFIG), "a registered policy has no benchmark config"
     t0 = time.perf_counter()
-    print("new = width-aware order (max_wait_steps 12), old = oldest lane first (65f2345)")
+    print(f"new = width-aware order (max_wait_steps 12), old = oldest lane first (65f2345); lag {args.lag}")
     print(f"{'policy':9} {'depth':8} {'C':>4} {'order':5} {'P rows':>6} {'R rows':>6} {'C rows':>6} "
           f"{'tok/step':>8} {'/lock':>6} {'TPOT50':>6} {'TPOT99':>6} {'TTFTmax':>7} {'wait':>5}"
           "   new/old: tok/step TPOT99")
@@ -104,7 +106,7 @@ def main() -> None:
             for c in args.sizes:
                 plen = args.long_prompt if c < 256 else args.short_prompt
                 new, old = (measure(c, adaptive, policy, plen, args.steps, args.settle, args.seed,
-                                    checks=False, prepare=use_old_order if o else None)
+                                    checks=False, lag=args.lag, prepare=use_old_order if o else None)
                             for o in (False, True))
                 print(line(policy, adaptive, c, "new", new))
                 print(line(policy, adaptive, c, "old", old)
