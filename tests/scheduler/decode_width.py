@@ -48,7 +48,7 @@ class Width:
     lockstep: float  # C / (mean exit depth + 2): every request in every batch
     tpot: tuple[float, float]  # p50, p99 of the gaps between a request's tokens, in steps (nan: none)
     ttft_max: int  # steps from arrival to the slowest first token
-    max_wait: int  # most schedule steps any pending item was passed over, after the last first token
+    max_wait: int  # most schedule steps an item ready after the last first token was passed over
 
     @property
     def ratio(self) -> float:
@@ -86,31 +86,35 @@ def measure(c: int, adaptive: bool, policy: str, prompt_len: int, steps: int, se
     done = 0  # schedule steps so far
     max_wait = 0
 
-    def step(decoding: bool = True):
+    def step(since: int | None = None):
+        """One step; with `since`, the longest wait of items ready from step `since` on."""
         nonlocal done, max_wait
         b = e.step()
         done += 1
-        for lane in sched.queues.lanes.values():
-            if decoding and len(lane):
-                max_wait = max(max_wait, done - min(st.ready_step for st in lane))
+        if since is not None:
+            for lane in sched.queues.lanes.values():
+                for st in lane:
+                    if st.ready_step >= since:
+                        max_wait = max(max_wait, done - st.ready_step)
         return b
 
     first: dict[str, int] = {}
     while len(first) < c:
-        step(decoding=False)
+        step()
         for rid, t in zip(ids, tracks):
             if t.n_out and rid not in first:
                 first[rid] = done
         assert done < 100_000, "prompts never finished"
         if checks:
             check_invariants(sched)
+    decoding = done  # every request decodes from here on
     for _ in range(settle):
-        step()
+        step(decoding)
     rows: dict[Operation, list[int]] = {op: [] for op in Operation}
     tokens_at: dict[str, list[int]] = {r: [] for r in ids}
     depths: list[int] = []
     for s in range(steps):
-        b = step()
+        b = step(decoding)
         if b is None:  # everything in flight (lag): an idle step, counted
             continue
         rows[b.operation].append(b.num_rows)
