@@ -37,6 +37,9 @@ class SchedulerConfig(_Frozen):
     # the engine fills in, not a setting: no dump carries it.
     coda_writes_kv: bool = Field(True, exclude=True)
     max_waiting: int = Field(4096, ge=1)
+    # Ready work waits at most this many schedule steps for a wider batch of its group
+    # (docs/scheduler.md: policies and selection order).
+    max_wait_steps: int = Field(12, ge=1)
 
     @field_validator("policy")
     @classmethod

@@ -84,7 +84,8 @@ class RequestState:
     spec_deep: tuple[int, ...] = ()  # round rows that stopped at draft depth, to verify deeper
     verify: bool = False
     # scheduling
-    ready_tick: int = 0  # when its pending work became ready (fairness across lanes)
+    ready_tick: int = 0  # when its pending work became ready (round robin across groups)
+    ready_step: int = 0  # the schedule step it first competes in (the wait bound within a group)
     in_flight: int = 0  # batch id holding it; 0 = none
     offloaded_tokens: int = 0  # > 0: KV is on the host, covering this many positions
     cached_blocks: int = 0  # leading prompt blocks in the prefix cache (hit or indexed by it)

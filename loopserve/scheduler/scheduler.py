@@ -73,6 +73,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._next_batch_id = 1
         self._tick = 0
+        self._step = 0  # schedule() calls completed
         # per-step outputs
         self._swap_out: list = []
         self._swap_in: list = []
@@ -231,10 +232,11 @@ class Scheduler:
 
     def _push(self, sts: list[RequestState]) -> None:
         """Queue each request's pending work, ready now."""
-        tick = self._tick
+        tick, step = self._tick, self._step
         keys = []
         for st in sts:
             st.ready_tick = tick
+            st.ready_step = step
             keys.append(WORK_KEY[st.unit][st.phase])
         self.queues.push(sts, keys)
         if self._gate is not None:
@@ -288,6 +290,7 @@ class Scheduler:
         self._victim_order = None
         self._admit()
         batch = self._form_batch()
+        self._step += 1
         out = SchedulerOutput(batch, tuple(self._swap_out), tuple(self._swap_in),
                               tuple(self._preempted), tuple(self._freed))
         self._swap_out, self._swap_in, self._preempted, self._freed = [], [], [], []
@@ -480,7 +483,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batch forming
     def _form_batch(self) -> ScheduledBatch | None:
-        for plan_ in self.policy.order_plans(self.queues, self._served):
+        for plan_ in self.policy.order_plans(self.queues, self._served, self._step,
+                                             self.config.max_wait_steps):
             batch = self._fill(plan_)
             if batch is not None:
                 self._served[plan_] = self._tick

@@ -16,6 +16,7 @@ a prefix another request computed, and no request may write into a block another
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.intmath import cdiv
@@ -33,6 +34,12 @@ from loopserve.scheduler import (
 from loopserve.scheduler.invariants import check_invariants
 
 Marker = tuple[str, int]
+# Draws a row's final exit depth in [min_loops, max_loops]: (rng, min_loops, max_loops) -> depth.
+ExitDepth = Callable[[random.Random, int, int], int]
+
+
+def uniform_exit(rng: random.Random, lo: int, hi: int) -> int:
+    return rng.randint(lo, hi)
 
 
 @dataclass
@@ -53,10 +60,14 @@ class Track:
 
 class FakeEngine:
     def __init__(self, sched: Scheduler, seed: int = 0, finish_p: float = 0.05,
-                 max_lag: int = 1) -> None:
+                 max_lag: int = 1, exit_depth: ExitDepth = uniform_exit,
+                 check_context: bool = True) -> None:
+        """`check_context=False` skips re-reading every item's whole context (O(context) per
+        item): for benchmarks at thousands of positions per request; tests keep it on."""
         self.sched, self.kv = sched, sched.kv
         self.rng = random.Random(seed)
         self.finish_p, self.max_lag = finish_p, max_lag
+        self.exit_depth, self.check_context = exit_depth, check_context
         self.bs = self.kv.layout.block_size
         self.looped: dict[int, list[Marker | None]] = {}
         self.flat: dict[int, list[Marker | None]] = {}
@@ -196,6 +207,8 @@ class FakeEngine:
         return BatchResult(res)
 
     def _context(self, rid: str, plane: list[int], pool: dict, upto: int, what: str) -> None:
+        if not self.check_context:
+            return
         for q in range(upto + 1):
             m = self.read(plane, pool, q)
             assert m == self.marker(rid, q), f"{rid}: {what} reads position {q}, finds {m}"
@@ -210,7 +223,7 @@ class FakeEngine:
         for p in pos:
             t.depth[p] = 0
             t.exited.discard(p)
-            t.exit_at[p] = self.rng.randint(t.min_loops, t.max_loops)
+            t.exit_at[p] = self.exit_depth(self.rng, t.min_loops, t.max_loops)
             if table.flat:
                 self.write(table.flat, self.flat, rid, p)
         if table.flat:

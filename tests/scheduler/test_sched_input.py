@@ -37,6 +37,7 @@ from tests.scheduler.helpers import make_scheduler
     (dict(preemption_mode="swap"), ["preemption_mode"]),
     (dict(role="router"), ["role"]),
     (dict(max_waiting=0), ["max_waiting"]),
+    (dict(max_wait_steps=0), ["max_wait_steps", "1", "0"]),
 ])
 def test_bad_configs_fail_at_construction_naming_the_fields(kw, fields):
     with pytest.raises(ValueError) as e:

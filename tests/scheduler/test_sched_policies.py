@@ -119,8 +119,11 @@ def test_decode_is_not_starved_by_a_stream_of_prompts(split):
         add(e, i, prompt_len=30, max_tokens=1, max_loops=2)
         e.step()
     e.drain()
-    # round robin over lanes: dec's next work waits behind each other lane at most once
-    assert decode_gaps(e, "dec") <= 7
+    # dec's work is passed over at most max_wait_steps (12) + 3 plans x G groups - 1 steps
+    # (G = 4: decode and the three PROMPT_ATOMIC lanes; split: decode, PROMPT_PRELUDE,
+    # PROMPT_RECURRENT), then runs, and its result may retire one step late (max_lag 1)
+    groups = 3 if split else 4
+    assert decode_gaps(e, "dec") <= 12 + 3 * groups - 1 + 1 + 1
 
 
 def test_a_prompt_is_not_starved_by_many_decoding_requests():
