@@ -24,7 +24,8 @@ Columns:
               C / (mean depth + 2) (PRELUDE, the loops, CODA);
   pool holds: requests of P + output tokens the KV pool holds at once; a C above it does
               not fit and is printed so (not run);
-  s:          the cell's wall time (with --max-seconds a cell is cut there, and said so).
+  s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
+              --budget-s of the whole run no further cell starts, and each prints as skipped).
 Before each cell an untimed warm-up (C requests, 2 tokens) compiles kernels and captures
 graphs at that batch size. Correctness in the same run: the first --check requests run alone
 (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
@@ -34,7 +35,7 @@ fp32), as benchmarks/pd_vs_colocated.py rules. Exit status 1 if a stream differs
 
 GPU:  python benchmarks/throughput.py [--cs 1,8,32,64,128,256] [--prompt-lens 1024,4096]
       [--output-len 128] [--modes fixed,adaptive] [--kv-cache-dtype auto|fp8_e4m3]
-      [--max-seconds 60] [--server-c 64] [--json out/throughput.json]
+      [--max-seconds 60] [--budget-s S] [--server-c 64] [--json out/throughput.json]
 CPU smoke: python benchmarks/throughput.py --device cpu --model tiny-ouro --dtype float32
       --cs 1,4 --prompt-lens 32 --output-len 8
 """
@@ -79,6 +80,7 @@ class Cell:
     c: int
     pool_holds: int
     fits: bool
+    skipped: bool = False  # not run: the table was past --budget-s
     requests: int = 0  # finished within the cell
     cut: bool = False  # stopped at --max-seconds
     wall_s: float = 0.0
@@ -135,6 +137,11 @@ class Table:
         flat = self.num_blocks // self.max_loops + 1
         fit = self.num_blocks // (need * self.planes)
         return min(fit, flat // need) if self.flat_token else fit
+
+    def cell(self, prompt_len: int, mode: str, c: int, skipped: bool = False) -> Cell:
+        """A cell's row before it runs: how many requests the pool holds, whether C fits."""
+        holds = self.holds(prompt_len)
+        return Cell(prompt_len, mode, c, holds, c <= holds, skipped=skipped)
 
     def start(self, max_c: int) -> EngineCore:
         self.engine = EngineCore(EngineConfig(**self.kwargs, num_blocks=self.num_blocks,
@@ -199,7 +206,7 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
 def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: int, mode: str, c: int,
              check: int) -> tuple[Cell, dict[str, RequestResult]]:
     args, engine = table.args, table.engine
-    cell = Cell(prompt_len, mode, c, table.holds(prompt_len), c <= table.holds(prompt_len))
+    cell = table.cell(prompt_len, mode, c)
     if not cell.fits:
         return cell, {}
     t0 = time.perf_counter()
@@ -245,6 +252,8 @@ HEADER = (f"{'P':>5} {'mode':>8} {'C':>4} {'tok/s':>9} {'floor s':>8} {'of floor
 def fmt(c: Cell) -> str:
     if not c.fits:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  does not fit: the pool holds {c.pool_holds} requests"
+    if c.skipped:
+        return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  skipped: the table is past --budget-s"
     note = f"cut at --max-seconds after {c.requests}/{2 * c.c} requests" if c.cut else ""
     return (f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4} {c.tok_s:>9.1f} {c.floor_s:>8.3f} {c.of_floor:>8.2f} "
             f"{c.tok_per_step:>8.2f} {c.of_lockstep:>8.2f} {c.mean_depth:>5.2f} {c.pool_holds:>5} "
@@ -325,6 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="fixed,adaptive")
     p.add_argument("--exit-threshold", type=float, default=0.6, help="the adaptive mode's")
     p.add_argument("--max-seconds", type=float, default=60.0, help="cut a cell after this long")
+    p.add_argument("--budget-s", type=float, default=math.inf,
+                   help="start no cell after this many seconds of the run (the rest print as skipped)")
     p.add_argument("--check", type=int, default=4, help="requests whose greedy tokens are checked")
     p.add_argument("--tie-nats", type=float, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -381,14 +392,21 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     for p in args.prompt_lens:
         for mode in args.modes:
+            if time.perf_counter() - t_start > args.budget_s:
+                cells += [table.cell(p, mode, c, skipped=True) for c in args.cs]
+                print("\n".join(fmt(c) for c in cells[-len(args.cs):]), flush=True)
+                continue
             ref, _ = closed_loop(engine, prompts[p][:args.check],
                                  [params(mode, args, table.max_loops, args.output_len, True)] * args.check, 1, math.inf)
             widest = None
             for c in args.cs:
-                cell, results = run_cell(table, rates, prompts[p], p, mode, c, args.check)
+                if time.perf_counter() - t_start > args.budget_s:
+                    cell, results = table.cell(p, mode, c, skipped=True), {}
+                else:
+                    cell, results = run_cell(table, rates, prompts[p], p, mode, c, args.check)
                 cells.append(cell)
                 print(fmt(cell), flush=True)
-                if cell.fits and all(results[rid].finish_reason == "length" for rid in ref):
+                if results and all(results[rid].finish_reason == "length" for rid in ref):
                     widest = (c, results)
             if widest is not None:
                 chk = compare(ref, {rid: widest[1][rid] for rid in ref}, args.tie_nats)
@@ -417,7 +435,7 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
     """The first prompt length's fixed-depth cell at --server-c, engine only (from the table if
     it ran) and through `loopserve serve`; the engine's memory is freed for the server first."""
     p, c, mode = args.prompt_lens[0], args.server_c, "fixed"
-    base = next((x for x in cells if (x.prompt_len, x.mode, x.c) == (p, mode, c) and x.fits and not x.cut), None)
+    base = next((x for x in cells if (x.prompt_len, x.mode, x.c) == (p, mode, c) and x.tok_s and not x.cut), None)
     if base is None:
         table.engine.shutdown()
         table.start(c)
