@@ -97,6 +97,17 @@ def decode_config(cluster) -> EngineConfig:
     return cfg
 
 
+def check_pool(d: EngineCore, args: argparse.Namespace) -> None:
+    """The backlog's and one handoff's blocks must fit the decode pool together."""
+    planes = d.model.kv_planes(d.max_loops)
+    need = (args.backlog * d.kv_manager.blocks_needed(BACKLOG_PROMPT + BACKLOG_TOKENS, planes)[0]
+            + d.kv_manager.blocks_needed(args.prompt_tokens + HANDOFF_TOKENS, planes)[0])
+    if need > d.layout.num_blocks:
+        raise SystemExit(f"--backlog {args.backlog} ({BACKLOG_PROMPT}+{BACKLOG_TOKENS} tokens each) and a "
+                         f"{args.prompt_tokens}-token handoff need {need} KV blocks; the pool has "
+                         f"{d.layout.num_blocks} (--num-blocks raises it, or lower --backlog)")
+
+
 def start_backlog(d: EngineCore, n: int, rng: random.Random) -> list[str]:
     """`n` requests decoding (every prompt prefilled, graphs captured) to keep the device busy."""
     loops = d.max_loops
@@ -168,6 +179,7 @@ def main() -> int:
         dw = NixlKVWorker("kv-read-decode", kv_pools(d), d.layout.block_size, d.kv_compat(),
                           capture_telemetry=True, progress_thread=cluster.transfer.progress_thread)
         dw.add_peer(owner.info)
+        check_pool(d, args)
         rng = random.Random(0)
         reads = {"idle": run_arm(d, dw, owner, rng, "idle", args.prompt_tokens, args.reps, 0)}
         nbytes = reads["idle"][0].nbytes
