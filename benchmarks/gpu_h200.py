@@ -25,38 +25,11 @@ import traceback
 
 import torch
 
+from loopserve.bench.rates import device_time, measure_rates, prefill_flops, weight_bytes_per_token
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
-
-
-def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3 / iters
-
-
-def baselines() -> dict:
-    n = 1 << 30  # 1 GiB per buffer (bf16 elements: 512 Mi)
-    x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    t = cuda_time(lambda: y.copy_(x))
-    copy_gbps = 2 * n / t / 1e9  # bytes read + written
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    tm = cuda_time(lambda: a @ bm)
-    tflops = 2 * 8192**3 / tm / 1e12
-    del x, y, a, bm
-    torch.cuda.empty_cache()
-    return {"copy_GBps": copy_gbps, "matmul_TFLOPs": tflops}
 
 
 def engine(model, name: str, **kw) -> EngineCore:
@@ -64,14 +37,6 @@ def engine(model, name: str, **kw) -> EngineCore:
                max_model_len=9216, max_num_seqs=256, max_num_batched_tokens=16384, **GPU_FEATURES)
     cfg.update(kw)
     return EngineCore(EngineConfig(**cfg), model=model)
-
-
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode token reads: every loop re-reads the looped layers."""
-    looped = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                 if ".layers." in n or "core_block" in n)
-    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return looped * model.max_loops + head
 
 
 DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off", defer_readback=False),
@@ -136,12 +101,7 @@ def part_prefill(model, name: str, base: dict) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     dt = min(times[1:])
-    cfg = model.config
-    layer_params = sum(p.numel() for nm, p in model.named_parameters() if ".layers." in nm)
-    h = cfg.num_attention_heads * cfg.hd
-    flops = model.max_loops * (2 * layer_params * n + cfg.num_hidden_layers * 2 * n * n * h)  # causal attn
-    flops += 2 * model.lm_head.weight.numel()  # one row of logits
-    tf = flops / dt / 1e12
+    tf = prefill_flops(model, n) / dt / 1e12
     r = {"seconds": dt, "TFLOPs": tf, "matmul_TFLOPs": base["matmul_TFLOPs"], "ratio": tf / base["matmul_TFLOPs"]}
     print(f"[prefill] 8192 tokens x {model.max_loops} loops: {dt * 1e3:.1f} ms, {tf:.0f} TFLOP/s = "
           f"{r['ratio'] * 100:.0f}% of matmul {base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -231,7 +191,7 @@ def part_nixl(base: dict) -> dict:
             assert not failed
         nbytes = count * local[0].numel() * 2
         src = torch.empty_like(local[:count])
-        tc = cuda_time(lambda: src.copy_(local[:count]))
+        tc = device_time(lambda: src.copy_(local[:count]), local.device)
         tw = _wall_copy_s(src, local[:count])
         t_ipc = _wall_copy_s(src, remote[:count])  # torch's copy of the peer's blocks, same mapping kind
         del src
@@ -321,7 +281,7 @@ def main() -> int:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
-    base = baselines()
+    base = measure_rates(torch.device("cuda"), torch.bfloat16)
     print(f"[baseline] D2D copy {base['copy_GBps']:.0f} GB/s (read+write); bf16 matmul "
           f"{base['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = {"baseline": base, "command": "python " + " ".join(sys.argv)}

@@ -19,16 +19,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG=${GPU_CHECK_LOG:-out/gpu_check.log}
-WHEELS=${LOOPSERVE_WHEELS:-.whl}
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-if ! "$PY" -c "import pydantic, yaml, grpc_health, nixl" 2>/dev/null && [ -d "$WHEELS" ]; then
-  site=$(mktemp -d)
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELS"/*.whl \
-    >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$site"
-fi
+source scripts/gpu_env.sh
 
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ALL="tests serving features decode"

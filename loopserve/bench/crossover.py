@@ -8,7 +8,7 @@ its NIXL agent, stepping the way a prefill worker does) and a decode-role engine
   prefill(n): the decode engine alone, a fresh prompt of n random ids (no prefix cache hit),
     add_request to its first token at the model's full loop depth.
   transfer(n): the prefill engine prefills its own fresh prompt and hands it off; the decode
-    engine `add_handoff`s it (not timed) and its NIXL agent READs every plane of the prompt's
+    engine `add_handoff`s it (not in the figure) and its NIXL agent READs every plane of the prompt's
     blocks (looped planes x blocks + flat blocks), timed from start_read to poll() reporting
     it done. The prefill process polls its notifications every POLL_WAIT_S, as an idle
     prefill worker with a transfer pending does; with transfer.progress_thread off (the CPU
@@ -115,7 +115,7 @@ def _full_depth(engine: EngineCore, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, min_loops=loops, max_loops=loops)
 
 
-def _prompt(rng: random.Random, engine: EngineCore, n: int) -> list[int]:
+def random_prompt(rng: random.Random, engine: EngineCore, n: int) -> list[int]:
     return [rng.randrange(engine.model.vocab_size) for _ in range(n)]
 
 
@@ -167,7 +167,7 @@ def _prefill_owner(conn, config: dict, engine_id: str, progress_thread: bool, th
             engine.shutdown()
 
 
-class _PrefillProcess:
+class PrefillProcess:
     def __init__(self, config: EngineConfig, progress_thread: bool, threads: int) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -176,6 +176,11 @@ class _PrefillProcess:
                                 args=(child, config.model_dump(), self.engine_id, progress_thread, threads))
         self.proc.start()
         self.info = self.expect("ready")
+
+    def prefill(self, rid: str, ids: list[int]) -> HandoffMessage:
+        """Prefill `ids` in the owner's engine; its handoff, the blocks held until READ."""
+        self.conn.send(("prefill", rid, ids))
+        return self.expect("handoff")
 
     def expect(self, kind: str) -> Any:
         end = time.monotonic() + TIMEOUT_S
@@ -215,16 +220,28 @@ def _time_prefill(d: EngineCore, ids: list[int], rid: str) -> float:
     return dt
 
 
-def _time_read(d: EngineCore, dw: NixlKVWorker, owner: _PrefillProcess, ids: list[int],
-               rid: str) -> tuple[float, int]:
-    owner.conn.send(("prefill", rid, ids))
-    h: HandoffMessage = owner.expect("handoff")
+@dataclass(frozen=True)
+class HandoffRead:
+    """One handoff taken over by the decode engine and its KV READ, on one clock."""
+
+    fence_s: float  # add_handoff: blocks given, zeroed, and the device waited for up to that
+    read_s: float  # start_read to poll() reporting it done
+    nbytes: int  # bytes the READ moved (every plane)
+    descriptors: int | None  # after NIXL's merge of adjacent blocks (None: no telemetry)
+
+
+def handoff_read(d: EngineCore, dw: NixlKVWorker, owner: PrefillProcess, h: HandoffMessage,
+                 drain: bool = True) -> HandoffRead:
+    """`d` takes over the owner's handoff `h` and READs its KV; the request is then dropped
+    (`drain`: `d` is stepped until idle)."""
+    rid = h.request_id
+    t0 = time.perf_counter()
     table = d.add_handoff(h)
+    t1 = time.perf_counter()
     if table is None:
         raise RuntimeError(f"{rid}: the decode engine has no blocks for the handoff")
     if d.cached_blocks(rid):
         raise RuntimeError(f"{rid}: the decode engine's prefix cache holds part of the prompt")
-    t0 = time.perf_counter()
     nbytes = dw.start_read(rid, h.prefill_engine_id, h.block_table, table, h.num_kv_tokens)
     end = time.monotonic() + TIMEOUT_S
     while True:
@@ -236,12 +253,14 @@ def _time_read(d: EngineCore, dw: NixlKVWorker, owner: _PrefillProcess, ids: lis
         if not dw.progress_thread:
             dw.progress()
         time.sleep(0)  # let a progress thread run
-    dt = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    stats = dw.read_stats.pop(rid, None)
     d.kv_received(rid)
     d.abort(rid)
-    _drain(d)
+    if drain:
+        _drain(d)
     owner.expect("freed")
-    return dt, nbytes
+    return HandoffRead(t1 - t0, t2 - t1, nbytes, stats.descriptors if stats else None)
 
 
 def measure(cluster: ClusterConfig, lengths: list[int], reps: int = 5, warmup: int = 1,
@@ -249,7 +268,7 @@ def measure(cluster: ClusterConfig, lengths: list[int], reps: int = 5, warmup: i
     """One Row per length (cut to what max_model_len allows), each figure a median of `reps`."""
     dcfg, pcfg = cluster.engine_config("decode"), cluster.engine_config("prefill")
     progress_thread = cluster.transfer.progress_thread
-    owner = _PrefillProcess(pcfg, progress_thread, worker_threads(cluster, "prefill"))
+    owner = PrefillProcess(pcfg, progress_thread, worker_threads(cluster, "prefill"))
     d = dw = None
     threads = torch.get_num_threads()
     try:
@@ -263,11 +282,12 @@ def measure(cluster: ClusterConfig, lengths: list[int], reps: int = 5, warmup: i
             prefill_s, read_s, nbytes = [], [], 0
             for i in range(warmup + reps):
                 seq += 1
-                tp = _time_prefill(d, _prompt(rng, d, n), f"local-{seq}")
-                tr, nbytes = _time_read(d, dw, owner, _prompt(rng, d, n), f"read-{seq}")
+                tp = _time_prefill(d, random_prompt(rng, d, n), f"local-{seq}")
+                r = handoff_read(d, dw, owner, owner.prefill(f"read-{seq}", random_prompt(rng, d, n)))
+                nbytes = r.nbytes
                 if i >= warmup:
                     prefill_s.append(tp)
-                    read_s.append(tr)
+                    read_s.append(r.read_s)
             p_ms, t_ms = statistics.median(prefill_s) * 1e3, statistics.median(read_s) * 1e3
             row = Row(n, p_ms, t_ms, t_ms / p_ms, nbytes, -(-n // dcfg.block_size))
             rows.append(row)

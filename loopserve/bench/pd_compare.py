@@ -86,7 +86,7 @@ def warm_up(cluster: Cluster, items: list[WorkItem]) -> None:
 
 
 def _reads(cluster: Cluster) -> dict:
-    total = {"count": 0, "bytes": 0, "seconds": 0.0}
+    total = {"count": 0, "bytes": 0, "seconds": 0.0, "fence_seconds": 0.0}
     for h in cluster.handles:
         if h.role == "decode":
             for k in total:
@@ -162,7 +162,9 @@ def report(runs: dict[str, tuple[dict, list[RequestResult], dict]], args: argpar
         gbs = reads["bytes"] / reads["seconds"] / 1e9 if reads["seconds"] else float("nan")
         print(f"KV transfer (NIXL READ): {reads['count']} reads, "
               f"{reads['bytes'] / reads['count'] / 1024:.1f} KiB/read, "
-              f"{1e3 * reads['seconds'] / reads['count']:.2f} ms/read, {gbs:.3f} GB/s")
+              f"{1e3 * reads['seconds'] / reads['count']:.2f} ms/read (post to seen done), {gbs:.3f} GB/s; "
+              f"before each post, {1e3 * reads['fence_seconds'] / reads['count']:.2f} ms waiting for the "
+              f"device to zero the blocks")
     print(f"goodput: requests/s finishing with TPOT <= {args.slo_tpot_ms:g} ms")
     if runs:
         curves = {name: {"TTFT": [r.ttft for r in results if not r.error and r.ttft is not None],

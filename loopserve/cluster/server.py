@@ -115,7 +115,8 @@ def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
     sched, kv = s["scheduler"], s["kv"]
     counters = {k: int(v) for k, v in s["counters"].items() if isinstance(v, (int, float))}
     counters.update({f"batches_{k}": v for k, v in s["counters"]["batches"].items()})
-    counters.update({f"kv_reads_{k}": int(v) for k, v in s.get("kv_reads", {}).items() if k != "seconds"})
+    counters.update({f"kv_reads_{k}": int(v) for k, v in s.get("kv_reads", {}).items()
+                     if not k.endswith("seconds")})
     counters.update({f"prefix_cache_{k}": v for k, v in s["prefix_cache"].items()})
     pools = {name: pb.PoolUsage(**kv[name]) for name in ("looped", "flat")}
     return pb.WorkerStats(

@@ -47,7 +47,9 @@ class DecodeWorker(TransferHost):
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
         self._next_heartbeat = 0.0
         self._peers: dict[str, str] = {}  # prefill engine id -> its NIXL agent name
-        self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        # seconds: READs posted to seen done; fence_seconds: add_handoff's wait for the device
+        # to zero the blocks (and run what it had queued before) ahead of each post
+        self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "fence_seconds": 0.0}
         self.handoff_latency = {"le": list(HANDOFF_BUCKETS), "counts": [0] * len(HANDOFF_BUCKETS),
                                 "count": 0, "sum": 0.0}  # counts[i]: latencies <= le[i]
 
@@ -95,6 +97,7 @@ class DecodeWorker(TransferHost):
         placed = 0
         while self._inbox:
             msg = self._inbox[0]
+            t0 = time.monotonic()
             try:
                 table = self.engine.add_handoff(msg)
             except ValueError as e:  # a duplicate id or an impossible request: fail it alone
@@ -107,10 +110,13 @@ class DecodeWorker(TransferHost):
                 break
             self._inbox.popleft()
             self.traces.record(msg.request_id, "RECEIVING")
-            placed += self._start_read(msg, table, now)
+            posted = time.monotonic()  # add_handoff waited for the device to zero the blocks
+            self.reads["fence_seconds"] += posted - t0
+            placed += self._start_read(msg, table, posted)
         return placed
 
     def _start_read(self, msg: HandoffMessage, table, now: float) -> bool:
+        """Post the READ; `now` is the post time (the READ's clock starts there)."""
         rid = msg.request_id
         arrived = self._arrived.pop(rid, now)
         try:

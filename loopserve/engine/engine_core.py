@@ -303,7 +303,8 @@ class EngineCore:
         self._retire(request_id)
 
     def add_handoff(self, h: HandoffMessage) -> BlockTable | None:
-        """Decode role: take over a prefilled request; returns the blocks to read KV into.
+        """Decode role: take over a prefilled request; returns the blocks to read KV into,
+        once the device has zeroed them (a READ may be posted into them at once).
 
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
@@ -316,9 +317,10 @@ class EngineCore:
         self.requests[h.request_id] = req
         # Zero fresh blocks now, before the KV read lands in them; the READ does not queue
         # behind the compute stream, so the zeroing (and any earlier kernel still writing these
-        # blocks for their previous owner) must have run before the caller posts it.
+        # blocks for their previous owner) must have run before the caller posts it: wait for
+        # the compute stream up to the zeroing, not for the whole device (READs in flight).
         self.runner.apply_kv_moves((), self.kv_manager.pop_new_blocks(), ())
-        self.runner.sync()
+        self.runner.fence().wait()
         return self.kv_manager.block_table(h.request_id)
 
     def cached_blocks(self, request_id: str) -> int:

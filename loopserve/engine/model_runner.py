@@ -7,6 +7,7 @@ applies the exit rule after each loop and the last-exited copies of exited rows'
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,18 @@ from loopserve.model.batch import LoopState, ModelBatch, device_tensor
 from loopserve.model.exit_rule import exit_mask, exit_without_score
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import Operation, ScheduledBatch
+
+
+@dataclass(frozen=True)
+class KVFence:
+    """A point in the compute stream; `wait()` returns once the device has run everything
+    queued before it (None: nothing was queued, as on CPU)."""
+
+    event: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class ModelRunner:
@@ -85,15 +98,19 @@ class ModelRunner:
         flat = self.kv.gather_blocks("flat", table.flat) if table.flat else None
         return looped, flat
 
-    def sync(self) -> None:
-        """Wait until every kernel queued so far on the device has run (nothing to wait for on
-        CPU, where each runs as it is called). A write that bypasses the compute stream (a NIXL
-        READ into a handed-off request's blocks) must start only after this: the stream may
-        still hold the zeroing of those blocks, or the last K/V writes of the request that held
-        them before, and either would land on the KV read in. With defer_readback and CUDA
-        graphs the host runs a whole token's Operations ahead of the GPU, so they would."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def fence(self) -> KVFence:
+        """A mark after every kernel queued so far on the compute stream (the stream the KV
+        zeroing and the decode kernels run on). A write that bypasses that stream (a NIXL READ
+        into a handed-off request's blocks) must start only after the mark has run: the stream
+        may still hold the zeroing of those blocks, or the last K/V writes of the request that
+        held them before, and either would land on the KV read in (with defer_readback and
+        CUDA graphs the host runs a whole token's Operations ahead of the GPU). Unlike a device
+        sync it does not wait for other streams (READs already in flight, copies)."""
+        if self.device.type != "cuda":
+            return KVFence(None)  # each CPU kernel has run when its call returns
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return KVFence(event)
 
     def drop(self, request_id: str) -> None:
         self.states.drop(request_id)

@@ -147,12 +147,15 @@ class KVCacheManager:
                 table.flat.append(e.flat)
         if grow <= 0:
             return True
-        new_looped: list[int] = []
-        for plane in table.depth:
-            ids = self.looped.allocate(grow)
-            plane.extend(ids)
-            new_looped.extend(ids)
-        new_flat = self.flat.allocate(grow) if self.layout.has_flat else []
+        # Every plane's blocks in one draw, sorted before they are dealt out: the same blocks
+        # as drawing plane by plane, but in runs of adjacent ids. The free queue gets a freed
+        # table's blocks tail first and plane by plane interleaved, so without the sort a pool
+        # past its first cycle dealt each plane ids stepping down by the plane count: a READ
+        # of one NIXL descriptor per block, a zeroing of one indexed kernel per request.
+        new_looped = sorted(self.looped.allocate(grow * len(table.depth)))
+        for k, plane in enumerate(table.depth):
+            plane.extend(new_looped[k * grow:(k + 1) * grow])
+        new_flat = sorted(self.flat.allocate(grow)) if self.layout.has_flat else []
         table.flat.extend(new_flat)
         self.prefix.evict(new_looped, new_flat)
         self._new_looped.extend(new_looped)

@@ -8,8 +8,8 @@ prompt's KV: the first decode-side token was garbage (1P1D, bf16, ouro-1.4b-shap
 46/64 requests off at token 1 with the colocated token outside the top-20). On CPU every
 kernel runs as it is called, so the race cannot happen by itself; `LaggingDevice` gives the
 decode engine's KV pools a GPU's ordering instead: a zeroing waits, in stream order, until
-the next kernel that touches the pools or until the host waits for the device
-(`ModelRunner.sync`), and the READ is a copy that bypasses that order.
+the next kernel that touches the pools or until the host waits for a fence made after it
+(`ModelRunner.fence`), and the READ is a copy that bypasses that order.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.handoff import HandoffMessage
+from loopserve.engine.model_runner import KVFence
 from loopserve.engine.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
@@ -29,20 +30,33 @@ from tests.engine.conftest import make_engine
 MAX_MODEL_LEN = 256
 
 
+class LaggedFence:
+    """`ModelRunner.fence()` under LaggingDevice: waiting runs the zeroings queued before it."""
+
+    def __init__(self, wait) -> None:
+        self.wait = wait
+
+
 class LaggingDevice:
     """Zeroings of `engine`'s KV blocks queue up and run only before its next kernel on the
-    pools, or when the host syncs: the order a CUDA stream gives them."""
+    pools, or when the host waits for a fence made after them: the order a CUDA stream gives."""
 
     def __init__(self, engine: EngineCore) -> None:
         runner, kv = engine.runner, engine.runner.kv
         self.pending: list[tuple[str, list[int]]] = []
-        self.late = 0  # zeroings that ran at a later kernel, not at a sync
+        self.queued = self.ran = 0  # zeroings queued / run so far
+        self.late = 0  # zeroings that ran at a later kernel, not at a fence
         zero = kv.zero_blocks
 
-        def flush(late: bool) -> None:
-            while self.pending:
+        def flush(late: bool, upto: int | None = None) -> None:
+            while self.pending and (upto is None or self.ran < upto):
                 zero(*self.pending.pop(0))
+                self.ran += 1
                 self.late += late
+
+        def queue(kind: str, ids: list[int]) -> None:
+            self.pending.append((kind, list(ids)))
+            self.queued += 1
 
         def ordered(fn):
             def run(*a, **k):
@@ -50,12 +64,11 @@ class LaggingDevice:
                 return fn(*a, **k)
             return run
 
-        kv.zero_blocks = lambda kind, ids: self.pending.append((kind, list(ids)))
+        kv.zero_blocks = queue
         for name in ("copy_slots_looped", "gather_blocks", "scatter_blocks"):
             setattr(kv, name, ordered(getattr(kv, name)))
         runner._forward = ordered(runner._forward)
-        sync = runner.sync
-        runner.sync = lambda: (flush(False), sync())
+        runner.fence = lambda: LaggedFence(lambda upto=self.queued: flush(False, upto))
 
 
 def read_kv(src: EngineCore, dst: EngineCore, h: HandoffMessage, table: BlockTable) -> None:
@@ -133,9 +146,13 @@ def colocated(family: str, work, lag: bool = False, **kw) -> dict[str, list[int]
     return outs
 
 
-def prefill_decode(family: str, work, **kw) -> tuple[dict[str, list[int]], LaggingDevice]:
+def prefill_decode(family: str, work, fenced: bool = True, **kw) -> tuple[dict[str, list[int]], LaggingDevice]:
+    """1P1D with the decode engine's zeroings lagging; `fenced=False`: add_handoff's fence
+    does not wait (the READ races the zeroing, as before a6d938e)."""
     p, d = engine(family, role="prefill", **kw), engine(family, role="decode", **kw)
     device = LaggingDevice(d)
+    if not fenced:
+        d.runner.fence = lambda: KVFence(None)
     return run_pd(p, d, work), device
 
 
@@ -148,6 +165,17 @@ def test_handoff_read_lands_after_the_zeroing_of_its_blocks(defer):
     got, device = prefill_decode("tiny-ouro", work, defer_readback=defer)
     bad = {rid: (want[rid], got.get(rid)) for rid in want if got.get(rid) != want[rid]}
     assert not bad, f"{len(bad)}/{len(want)} requests differ from colocated: {bad}"
+    assert device.ran == device.queued  # every zeroing ran (at a fence or a later kernel)
+
+
+def test_without_the_fence_the_read_races_the_zeroing():
+    """The same run with add_handoff's fence not waiting: the late zeroings wipe the KV read
+    in, so requests differ from colocated (the test above can fail)."""
+    work = workload(12)
+    want = colocated("tiny-ouro", work, defer_readback=True)
+    got, device = prefill_decode("tiny-ouro", work, fenced=False, defer_readback=True)
+    bad = [rid for rid in want if got.get(rid) != want[rid]]
+    assert device.late and len(bad) > len(want) // 2, (device.late, bad)
 
 
 def test_lagging_device_keeps_stream_order():
@@ -157,6 +185,8 @@ def test_lagging_device_keeps_stream_order():
         colocated("tiny-ouro", work, defer_readback=True)
 
 
-def test_sync_is_a_no_op_on_cpu():
+def test_fence_is_passed_at_once_on_cpu():
     e = engine("tiny-ouro")
-    e.runner.sync()  # nothing queued on CPU: returns at once
+    fence = e.runner.fence()
+    assert fence.event is None  # nothing queued on CPU: each kernel ran when it was called
+    fence.wait()

@@ -6,9 +6,11 @@ The 1P1D bug at 52d7f2a (GPU features on, ouro-1.4b-shape bf16 under load: 46/64
 at the first decode-side token, the colocated token outside the top-20): add_handoff queued
 the zeroing behind a token's worth of decode work (defer_readback and CUDA graphs keep the
 host that far ahead), the READ landed first and the zeroing wiped the prompt's KV. Here
-`torch.cuda._sleep` stands in for that backlog. With the fix (`ModelRunner.sync` in
-add_handoff) the blocks hold the prefill side's KV; `sync=False` shows the race itself (the
-blocks come out zero), i.e. that this test can see it.
+`torch.cuda._sleep` stands in for that backlog. With the fix (add_handoff waits for a
+`ModelRunner.fence()` recorded after the zeroing) the blocks hold the prefill side's KV;
+`fenced=False` shows the race itself (the blocks come out zero), i.e. that this test can see
+it. The fence waits for the compute stream only: work on another stream (a READ in flight)
+is still running when add_handoff returns.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
+from loopserve.engine.model_runner import KVFence
 from loopserve.intmath import cdiv
 from tests.engine.test_handoff_ordering import read_kv, run_colocated, run_pd, workload
 
@@ -38,32 +41,58 @@ def _side_read(p: EngineCore, d: EngineCore, h, table) -> None:
     side.synchronize()
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_read_lands_after_the_queued_zeroing(sync, monkeypatch):
-    p, d = _engine("prefill"), _engine("decode")
-    rid, prompt, params = workload(1)[0]
+def _handoff(p: EngineCore):
+    rid, prompt, params = _work(1)[0]
     p.add_request(prompt, params, request_id=rid)
     while not (hs := p.take_handoffs()):
         p.step()
-    h = hs[0]
     torch.cuda.synchronize()
-    if not sync:
-        monkeypatch.setattr(d.runner, "sync", lambda: None)
-    torch.cuda._sleep(BACKLOG_CYCLES)  # decode work the host launched a token ahead
-    table = d.add_handoff(h)
-    _side_read(p, d, h, table)
-    torch.cuda.synchronize()
+    return hs[0]
+
+
+def _intact(p: EngineCore, d: EngineCore, h, table) -> list[bool]:
     n = cdiv(h.num_kv_tokens, h.block_size)
     remote = h.table()
     planes = [("looped", r, l) for r, l in zip(remote.depth, table.depth)]
     planes += [("flat", remote.flat, table.flat)] if remote.flat else []
-    intact = [torch.equal(p.runner.kv.pool(k)[r[:n]], d.runner.kv.pool(k)[l[:n]]) for k, r, l in planes]
-    print(f"sync={sync}: planes holding the prefill KV after the READ: {intact}")
-    if sync:
+    return [torch.equal(p.runner.kv.pool(k)[r[:n]], d.runner.kv.pool(k)[l[:n]]) for k, r, l in planes]
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_read_lands_after_the_queued_zeroing(fenced, monkeypatch):
+    p, d = _engine("prefill"), _engine("decode")
+    h = _handoff(p)
+    if not fenced:
+        monkeypatch.setattr(d.runner, "fence", lambda: KVFence(None))
+    torch.cuda._sleep(BACKLOG_CYCLES)  # decode work the host launched a token ahead
+    table = d.add_handoff(h)
+    _side_read(p, d, h, table)
+    torch.cuda.synchronize()
+    intact = _intact(p, d, h, table)
+    print(f"fenced={fenced}: planes holding the prefill KV after the READ: {intact}")
+    if fenced:
         assert all(intact), "the zeroing queued before add_handoff returned landed on the READ"
     else:
-        assert not all(intact), ("without the sync the READ still landed after the zeroing: the "
+        assert not all(intact), ("without the fence the READ still landed after the zeroing: the "
                                  "backlog is too short to show the race (raise BACKLOG_CYCLES)")
+
+
+def test_add_handoff_does_not_wait_for_other_streams():
+    """Work on another stream (here a long sleep, standing in for a READ in flight) is still
+    running when add_handoff returns: it waited for the compute stream, not the device."""
+    p, d = _engine("prefill"), _engine("decode")
+    h = _handoff(p)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(20 * BACKLOG_CYCLES)  # ~2 s
+        busy = torch.cuda.Event()
+        busy.record(other)
+    table = d.add_handoff(h)
+    still_running = not busy.query()
+    _side_read(p, d, h, table)
+    torch.cuda.synchronize()
+    assert still_running, "add_handoff waited for a stream that does not touch its blocks"
+    assert all(_intact(p, d, h, table))
 
 
 def test_pd_with_backlogged_decode_stream_equals_colocated_fp32():

@@ -96,3 +96,25 @@ def test_random_alloc_free_keeps_accounting(ops):
         m.free(f"r{rid}")
     assert m.usage().used_blocks == 0
     m.check()
+
+
+def runs(ids: list[int]) -> int:
+    """Runs of adjacent ascending ids (what one NIXL descriptor or one memset covers)."""
+    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
+
+
+def test_planes_stay_runs_of_adjacent_blocks_after_the_pool_cycles():
+    """A freed table's blocks go back tail first, plane by plane interleaved; the next table
+    of its size must still get each plane as one run of adjacent ids (a handoff's READ then
+    moves each plane as one descriptor), not ids stepping down by the plane count."""
+    planes, per_plane = 4, 8
+    m = make(blocks=4 * planes * per_plane, flat=4 * per_plane, bs=4)
+    for rid in "abcd":  # the pool, full
+        assert m.allocate(rid, 4 * per_plane, planes)
+    for step in range(12):  # churn: one table freed and one of its size taken, round robin
+        rid = "abcd"[step % 4]
+        m.free(rid)
+        assert m.allocate(rid, 4 * per_plane, planes)
+        t = m.block_table(rid)
+        assert [runs(p) for p in t.depth] == [1] * planes and runs(t.flat) == 1, (step, t)
+    m.check()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The performance figures of issues 41 and 42 in one device call (at most 8 minutes: each step
+# has a time limit, and the tables start no cell past their --budget-s; cells print as they end):
+#   read:  a handoff's NIXL READ vs a device-to-device copy of the same bytes, and the wait
+#          before it (benchmarks/kv_read_gpu.py on configs/h200-1p1d.yaml, 1040-token prompt);
+#   bf16:  the throughput table (benchmarks/throughput.py: C = 1..256, 1K and 4K prompts, fixed
+#          and adaptive exit, bf16 KV) and the same workload at C = 64 through `loopserve serve`;
+#   fp8:   the table with --kv-cache-dtype fp8_e4m3, where EngineConfig has that field.
+# Logs and JSON go to $OUT if set, else out/. Arguments name a subset of the steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DIR=${OUT:-out}
+LOG=$DIR/gpu_perf.log
+mkdir -p "$DIR"
+: > "$LOG"
+source scripts/gpu_env.sh
+steps=${*:-read bf16 fp8}
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+echo "gpu_perf at $commit on $("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG")" | tee -a "$LOG"
+
+step() {  # step NAME SECONDS COMMAND...: runs it into the log (and NAME.log), cut after SECONDS
+  local name=$1 limit=$2; shift 2
+  [[ " $steps " == *" $name "* ]] || return 0
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee "$DIR/$name.log" >>"$LOG"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+TABLE=("$PY" benchmarks/throughput.py --cs 1,8,32,64,128,256 --prompt-lens 1024,4096 --output-len 128 --max-seconds 30)
+step read 80 "$PY" benchmarks/kv_read_gpu.py --config configs/h200-1p1d.yaml --prompt-tokens 1040 --reps 5 \
+  --backlog 16 --json "$DIR/kv_read.json"
+step bf16 270 "${TABLE[@]}" --budget-s 140 --server-c 64 --json "$DIR/throughput_bf16.json"
+if "$PY" -c "from loopserve.engine.config import EngineConfig as E; assert 'kv_cache_dtype' in E.model_fields" 2>/dev/null; then
+  step fp8 130 "${TABLE[@]}" --budget-s 100 --kv-cache-dtype fp8_e4m3 --json "$DIR/throughput_fp8.json"
+elif [[ " $steps " == *" fp8 "* ]]; then
+  echo "=== fp8: skipped: EngineConfig has no kv_cache_dtype at $commit" | tee -a "$LOG"
+fi
+grep -hE '^\[(idle|backlog)\]|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
+  "$DIR"/read.log "$DIR"/bf16.log "$DIR"/fp8.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"

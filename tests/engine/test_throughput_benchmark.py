@@ -1,0 +1,62 @@
+"""benchmarks/throughput.py on CPU with the tiny model (the smoke run of the GPU table): every
+cell's figures follow from its counts, a C the pool cannot hold is reported as not fitting,
+fixed depth runs in lockstep at C = 1, the greedy check compares C = 1 with the widest cell,
+and the served arm drives `loopserve serve` with the same workload. Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+P, OUT = 16, 4  # a request needs cdiv(20, 16) = 2 blocks on each of tiny-ouro's 4 planes
+
+
+def run(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "throughput.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--model", "tiny-ouro",
+                           "--dtype", "float32", "--prompt-lens", str(P), "--output-len", str(OUT),
+                           "--json", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_table_on_cpu(tmp_path):
+    res = run(tmp_path, "--cs", "1,2,8", "--num-blocks", "16", "--check", "2")  # the pool holds 2 requests
+    cells = {(c["mode"], c["c"]): c for c in res["cells"]}
+    assert set(cells) == {(m, c) for m in ("fixed", "adaptive") for c in (1, 2, 8)}
+    for (mode, c), cell in cells.items():
+        assert cell["pool_holds"] == 2
+        if c == 8:
+            assert not cell["fits"] and cell["output_tokens"] == 0
+            continue
+        assert cell["fits"] and not cell["cut"] and cell["requests"] == 2 * c
+        assert cell["output_tokens"] == 2 * c * OUT
+        assert cell["tok_s"] == pytest.approx(cell["output_tokens"] / cell["wall_s"])
+        assert cell["floor_s"] > 0 and cell["of_floor"] == pytest.approx(cell["floor_s"] / cell["wall_s"])
+        assert cell["tok_per_step"] == pytest.approx(cell["output_tokens"] / cell["steps"])
+        if mode == "fixed":
+            assert cell["mean_depth"] == 4
+        else:
+            assert 1 <= cell["mean_depth"] <= 4
+    # one request at a time at fixed depth: PRELUDE, 4 loops, CODA per token, i.e. lockstep
+    assert cells[("fixed", 1)]["of_lockstep"] == pytest.approx(1.0)
+    for mode in ("fixed", "adaptive"):
+        chk = res["checks"][f"{P}/{mode}"]
+        assert chk["c"] == 2 and chk["of"] == 2 and not chk["beyond"]
+    assert res["rates"]["copy_GBps"] > 0 and res["rates"]["matmul_TFLOPs"] > 0
+
+
+def test_served_arm_on_cpu(tmp_path):
+    res = run(tmp_path, "--cs", "2", "--modes", "fixed", "--check", "1", "--server-c", "2")
+    served = res["served"]
+    assert served["c"] == 2 and served["output_tokens"] == 2 * 2 * OUT
+    assert served["ratio"] == pytest.approx(served["tok_s"] / served["engine_tok_s"])
+    assert "loopserve serving" in (tmp_path / "throughput_serve.log").read_text()
