@@ -20,16 +20,19 @@ from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.dense_reference import dense_forward
 
 TOP = 20
-# the stated bound (docs/design.md, "FP8 KV cache"): the tiny models' measured gap with margin
-MAX_GAP = 0.25
-MEAN_GAP = 0.03
 
 
 @dataclass(frozen=True)
 class Gap:
     max: float
     mean: float
-    positions: int
+    positions: int = 0
+
+
+# The stated bound (docs/design.md, "FP8 KV cache"): the measured gap of each tiny model (fp32
+# weights on the CPU, bf16 weights, the GPU's kernels) with margin. Random tiny weights amplify
+# rounding: the bf16 model alone, with bf16 KV, is 0.78 / 0.14 off on tiny-huginn.
+BOUNDS = {"tiny-ouro": Gap(max=0.75, mean=0.12), "tiny-huginn": Gap(max=3.0, mean=0.7)}
 
 
 def prompt(seed: int, n: int, vocab: int) -> list[int]:

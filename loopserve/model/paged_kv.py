@@ -62,8 +62,14 @@ class KVSpec:
         (num_blocks // max_loops + 1 blocks, when the model has flat layers) fit in
         `budget_bytes` (ValueError when not even one block does)."""
         looped, flat = self.block_bytes(block_size, storage)
-        n = max((budget_bytes - flat) * max_loops // (looped * max_loops + flat), 0)
-        while n and n * looped + (n // max_loops + 1) * flat > budget_bytes:
+
+        def fits(n: int) -> bool:
+            return n * looped + (n // max_loops + 1) * flat <= budget_bytes
+
+        n = max((budget_bytes - flat) * max_loops // (looped * max_loops + flat), 0)  # within a block or two
+        while fits(n + 1):
+            n += 1
+        while n and not fits(n):
             n -= 1
         if n < 1:
             raise ValueError(f"budget_bytes={budget_bytes} holds no KV block ({looped} looped + {flat} flat "
