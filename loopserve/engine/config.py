@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
     num_blocks: int = Field(512, ge=1)
     num_flat_blocks: int | None = Field(None, ge=1)  # default: num_blocks // max_loops + 1
     max_model_len: int = Field(1024, ge=2)
+    # What the KV pools store: "auto" the model dtype; "fp8_e4m3" FP8 (e4m3fn) with a static
+    # scale per layer and per K/V: half the bytes of bf16 per block (on the PD wire too), so
+    # twice the blocks fit a memory budget; accuracy bound in docs/design.md ("FP8 KV cache").
+    # PD engines and prefix-cache keys must agree on it.
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     # Reuse the K/V of full prompt blocks whose prefix (and loop configuration) was computed
     # before, on every plane; off for models where a prefix's K/V is not enough (Dory last_loop).

@@ -18,6 +18,7 @@ from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.intmath import cdiv
 from loopserve.model.layers import fuse_elementwise
+from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.engine.counters import EngineCounters
 from loopserve.engine.outputs import RequestOutput
 from loopserve.engine.prefix_keys import PrefixKeyer
@@ -72,11 +73,13 @@ class EngineCore:
         seeded = self.model.prefix_cache_seeded() if config.enable_prefix_caching else None
         d = self.model.default_loop_params
         self.prefix_keyer: PrefixKeyer | None = None if seeded is None else PrefixKeyer(
-            config.model, config.dtype, config.block_size, (d.min_loops, d.max_loops, d.exit_threshold),
+            config.model, config.dtype, config.kv_cache_dtype, config.block_size,
+            (d.min_loops, d.max_loops, d.exit_threshold),
             self.max_loops, tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
         self.scheduler = Scheduler(sc.model_copy(update={"coda_writes_kv": self.model.coda_writes_kv}),
                                    self.kv_manager)
-        self.runner = ModelRunner(self.model, self.layout, dtype, self.device)
+        self.runner = ModelRunner(self.model, self.layout, dtype, self.device,
+                                  KV_CACHE_DTYPES[config.kv_cache_dtype])
         if config.fuse_elementwise and self.device.type == "cuda":
             fuse_elementwise()
         fused = config.fused_loop == "on" or (config.fused_loop == "auto" and self.device.type == "cuda")
@@ -347,6 +350,7 @@ class EngineCore:
         s = self.model.kv_spec
         return {
             "model": self.config.model, "dtype": self.config.dtype,
+            "kv_cache_dtype": self.config.kv_cache_dtype, "kv_scales": self.runner.kv.scale_list(),
             "block_size": self.layout.block_size, "num_flat_layers": s.num_flat_layers,
             "num_looped_layers": s.num_looped_layers, "num_kv_heads": s.num_kv_heads,
             "head_dim": s.head_dim, "max_loops": self.max_loops,

@@ -36,12 +36,13 @@ class KVFence:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the pools' storage dtype when not the model's (FP8), else None."""
         self.model = model
         self.layout = layout
         self.device = device
         self.kv = PagedKVCache(model.kv_spec, layout.block_size, layout.num_blocks,
-                               layout.num_flat_blocks, dtype, device)
+                               layout.num_flat_blocks, dtype, device, kv_dtype)
         self.states = StateStore(model.state_dim, dtype, device)
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.graphs: DecodeGraphs | None = None

@@ -20,6 +20,7 @@ from loopserve.kv_cache import BlockHash, hash_blocks
 class PrefixKeyer:
     model: str
     dtype: str
+    kv_cache_dtype: str  # EngineConfig.kv_cache_dtype: an FP8 block is not a bf16 block
     block_size: int
     default_loops: tuple[int, int, float]  # the model's default min_loops, max_loops, exit_threshold
     max_loops: int  # the model's bound
@@ -37,6 +38,6 @@ class PrefixKeyer:
         if self.seeded and seed is None:
             return None
         p = params
-        key = (self.model, self.dtype, p.min_loops, p.max_loops, p.exit_threshold,
+        key = (self.model, self.dtype, self.kv_cache_dtype, p.min_loops, p.max_loops, p.exit_threshold,
                self.planes[p.max_loops - 1], (seed,) if self.seeded else ())
         return hash_blocks(token_ids, self.block_size, key)

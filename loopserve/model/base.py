@@ -61,8 +61,9 @@ class LoopedModel(nn.Module):
         """An `attend` that writes this layer's K/V into the paged cache and reads it back."""
         if self._backend is None:
             self._backend = get_backend(kv.looped.device)
-        cache = kv.layer_view(kind, layer)
-        return lambda q, k, v, rot=None: self._backend.forward(q, k, v, cache, batch.attn, scale, window, rot)
+        cache, kv_scale = kv.layer_view(kind, layer), kv.layer_scale(kind, layer)
+        return lambda q, k, v, rot=None: self._backend.forward(q, k, v, cache, batch.attn, scale, window, rot,
+                                                               kv_scale)
 
     # Operations (implemented by each family)
     def prelude(self, batch: ModelBatch, kv: PagedKVCache) -> LoopState:

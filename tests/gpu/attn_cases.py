@@ -18,8 +18,13 @@ from loopserve.model.attention.torch_ref import TorchAttention
 from loopserve.model.batch import AttnMetadata
 from tests.attn_metadata import build_attn_metadata
 from loopserve.model.layers import Rope, Rotation
+from loopserve.model.paged_kv import FP8, FP8_MAX, dequantize, quantize
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# An FP8 pool: written values may differ from torch's by one e4m3 step (a GPU's rounding of the
+# rotated k, the interpreter flushing subnormals to zero), the outputs by what that moves.
+FP8_OUT_TOLERANCE = {torch.float32: 1e-2, torch.float16: 3e-2, torch.bfloat16: 4e-2}
+FP8_SCALES = (0.5, 2.0)  # distinct k and v scales: a kernel that swaps or drops one fails
 
 
 @dataclass
@@ -32,14 +37,18 @@ class Case:
     meta: AttnMetadata
     scale: float
     rot: Rotation | None = None  # q and k arrive unrotated; both backends apply it
+    kv_scale: torch.Tensor | None = None  # [2] (k_scale, v_scale) of an FP8 pool
 
 
 def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, block_size: int,
               dtype: torch.dtype, device: str, seed: int = 0, layers: int = 2,
-              strided_q: bool = False, rope: str | None = None, skip_blocks: int = 0) -> Case:
+              strided_q: bool = False, rope: str | None = None, skip_blocks: int = 0,
+              kv_scales: tuple[float, float] | None = None) -> Case:
     """`strided_q` slices q, k and v out of one fused projection, as a model's qkv split does;
     `rope` ("half" or "interleaved") hands both backends the rows' RoPE rotation;
-    `skip_blocks` zero blocks below the segments' (a pool past 2^31 elements, cheaply)."""
+    `skip_blocks` zero blocks below the segments' (a pool past 2^31 elements, cheaply);
+    `kv_scales` (k_scale, v_scale): an FP8 pool holding the random K/V quantized by them (a few
+    values past the range: the writes must clamp)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = [cdiv(max(ps) + 1, block_size) if ps else 0 for ps in seg_positions]
@@ -55,14 +64,21 @@ def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, 
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     pool = randn(num_blocks, layers, 2, block_size, hkv, head_dim)
+    kv_scale = None
+    if kv_scales is not None:
+        kv_scale = torch.tensor(kv_scales, dtype=torch.float32, device=device)
+        pool = torch.stack([quantize(pool[:, :, i], kv_scale[i]) for i in (0, 1)], dim=2)
     if skip_blocks:
         pool = torch.cat([pool.new_zeros(skip_blocks, *pool.shape[1:]), pool])
     if strided_q:
         q, k, v = randn(t, hq + 2 * hkv, head_dim).split([hq, hkv, hkv], dim=1)
     else:
         q, k, v = randn(t, hq, head_dim), randn(t, hkv, head_dim), randn(t, hkv, head_dim)
+    if kv_scale is not None:  # out of e4m3's range after the scale: clamped to ±448
+        k[:1, :1, :2] = torch.tensor([1e3, -1e3], dtype=dtype)
+        v[:1, :1, :2] = torch.tensor([-5e3, 5e3], dtype=dtype)
     rot = None if rope is None else Rope(head_dim, 10000.0, rope == "interleaved")(meta.positions)
-    return Case(q, k, v, pool, layers - 1, meta, head_dim ** -0.5, rot)
+    return Case(q, k, v, pool, layers - 1, meta, head_dim ** -0.5, rot, kv_scale)
 
 
 def random_segments(seed: int, num_segs: int, max_pos: int, max_rows: int) -> list[list[int]]:
@@ -82,15 +98,30 @@ def run_both(case: Case, backend, window: int | None = None) -> tuple[torch.Tens
     """(backend out, reference out, backend pool, reference pool) from identical inputs."""
     ref_pool, pool = case.pool.clone(), case.pool.clone()
     ref = TorchAttention().forward(case.q, case.k, case.v, ref_pool[:, case.layer], case.meta,
-                                   case.scale, window, case.rot)
+                                   case.scale, window, case.rot, case.kv_scale)
     out = backend.forward(case.q, case.k, case.v, pool[:, case.layer], case.meta, case.scale, window,
-                          case.rot)
+                          case.rot, case.kv_scale)
     return out, ref, pool, ref_pool
+
+
+def dequantized(pool: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
+    return torch.stack([dequantize(pool[:, :, i], kv_scale[i], torch.float32) for i in (0, 1)], dim=2)
 
 
 def assert_matches(case: Case, backend, window: int | None = None) -> None:
     out, ref, pool, ref_pool = run_both(case, backend, window)
     tol = TOLERANCE[case.q.dtype]
+    if case.kv_scale is not None:
+        assert pool.dtype == ref_pool.dtype == FP8
+        got, want = dequantized(pool, case.kv_scale), dequantized(ref_pool, case.kv_scale)
+        assert bool(torch.isfinite(got).all()), "an FP8 write overflowed (no clamp)"
+        assert float(got.abs().max()) <= FP8_MAX * float(case.kv_scale.max())
+        # one e4m3 step (2^-3 relative) apart, or both under the smallest normal (2^-6 x scale)
+        torch.testing.assert_close(got, want, rtol=2 ** -3, atol=2 ** -6 * float(case.kv_scale.max()))
+        assert (got != want).float().mean() < 0.01, "more than a few FP8 writes differ from the reference"
+        torch.testing.assert_close(out.float(), ref.float(), atol=FP8_OUT_TOLERANCE[case.q.dtype],
+                                   rtol=FP8_OUT_TOLERANCE[case.q.dtype])
+        return
     if case.rot is None or (pool.device.type == "cpu" and pool.dtype == torch.float32):
         assert torch.equal(pool, ref_pool), "K/V slot write differs from the reference (or touched other slots)"
     else:  # the rotated k's rounding to 16 bits (a GPU's fused multiply-add, the interpreter's

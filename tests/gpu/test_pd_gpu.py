@@ -21,12 +21,13 @@ from tests.real_shapes import ENGINE, workload
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _serve(mode: str, family: str) -> dict[str, tuple[list[int], list[int]]]:
+def _serve(mode: str, family: str, **engine) -> dict[str, tuple[list[int], list[int]]]:
     pytest.importorskip("nixl")
     half = {"num_workers": 1, "num_gpus": 0.5}
     cfg = load_cluster_config({
         "mode": mode, "launcher": "process",
-        "engine": {"model": family, "device": "cuda", "dtype": "float32", **ENGINE, **GPU_FEATURES},
+        "engine": {"model": family, "device": "cuda", "dtype": "float32", **ENGINE, **GPU_FEATURES,
+                   **engine},
         "prefill": half, "decode": half, "colocated": {"num_workers": 1, "num_gpus": 1.0}})
     items = [WorkItem(it.request_id, it.prompt, it.params) for it in workload()]
     with Cluster(cfg) as cluster:
@@ -42,3 +43,11 @@ def _serve(mode: str, family: str) -> dict[str, tuple[list[int], list[int]]]:
 @pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
 def test_pd_on_one_gpu_equals_colocated_fp32(family):
     assert _serve("pd", family) == _serve("colocated", family)
+
+
+@pytest.mark.parametrize("family", ["tiny-huginn", "tiny-ouro"])
+def test_pd_on_one_gpu_equals_colocated_fp8_kv(family):
+    """Both sides FP8 KV (fp32 weights): the READ moves the FP8 bytes as written, so the decode
+    side continues as the colocated worker does."""
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    assert _serve("pd", family, **fp8) == _serve("colocated", family, **fp8)

@@ -59,6 +59,15 @@ def test_bf16_storage(ouro):
     compare(m, OuroFusedLoop(m, num_programs=2), case, atol=5e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache(dtype):
+    """An FP8 pool with per-layer k and v scales: the fused loop quantizes its new K/V and
+    dequantizes the range as the per-layer path does."""
+    m = resolve_model("tiny-ouro", dtype=dtype, seed=0)
+    case = make_case(m, [5, 0, 300, 9], [1, 2, 3, 1], block_size=4, dtype=dtype, kv_fp8=True)
+    compare(m, OuroFusedLoop(m, num_programs=3), case, atol=1e-4 if dtype == torch.float32 else 5e-2)
+
+
 def test_stacking_shares_storage_and_follows_new_weights():
     m = resolve_model("tiny-ouro", seed=1)
     before = {k: v.clone() for k, v in m.state_dict().items()}

@@ -140,3 +140,41 @@ def test_padding_rows_with_slot_minus_one_write_nothing(write):
     want[3, 0, 1], want[3, 1, 1] = k[0], v[0]
     (triton_write_kv if write == "triton" else write_kv)(cache, meta, k, v)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_fp8_cache_decode_and_prefill(dtype, splits):
+    """An FP8 pool (k_scale 0.5, v_scale 2): the write kernel quantizes (clamping values past
+    e4m3's range), the paged kernel dequantizes; both equal the torch path on the same pool."""
+    from tests.gpu.attn_cases import FP8_SCALES
+
+    case = make_case(random_segments(6, 5, 90, 10), hq=4, hkv=2, head_dim=16, block_size=8,
+                     dtype=dtype, device="cpu", seed=6, kv_scales=FP8_SCALES)
+    assert_matches(case, TritonAttention(kv_splits=splits))
+
+
+@pytest.mark.parametrize("rope", [None, "half"])
+def test_fp8_cache_fresh_prompts_and_fused_rope(rope):
+    """SDPA's fresh prompt rows read K/V rounded as the FP8 plane holds it; RoPE fused into
+    the quantizing write."""
+    from tests.gpu.attn_cases import FP8_SCALES
+
+    segs = [list(range(9)), [0, 1, 3, 4, 5, 6], [17], list(range(12)), [30]]
+    case = make_case(segs, hq=8, hkv=2, head_dim=16, block_size=4, dtype=torch.bfloat16, device="cpu",
+                     strided_q=True, rope=rope, kv_scales=FP8_SCALES)
+    assert_matches(case, TritonAttention(dense_prefill_rows=4))
+    assert_matches(case, TritonAttention(dense_prefill_rows=None))
+
+
+def test_fp8_cache_needs_its_scales():
+    from tests.gpu.attn_cases import FP8_SCALES
+
+    case = make_case([[3], [9]], hq=4, hkv=2, head_dim=16, block_size=4, dtype=torch.float32,
+                     device="cpu", kv_scales=FP8_SCALES)
+    cache = case.pool[:, 0]
+    with pytest.raises(ValueError, match="kv_scale must be given exactly for an FP8 cache"):
+        TritonAttention().forward(case.q, case.k, case.v, cache, case.meta, case.scale)
+    with pytest.raises(ValueError, match=r"kv_scale must be a contiguous fp32 \[2\]"):
+        TritonAttention().forward(case.q, case.k, case.v, cache, case.meta, case.scale,
+                                  kv_scale=case.kv_scale.double())

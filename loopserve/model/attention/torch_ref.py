@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from loopserve.model.attention.base import write_kv
 from loopserve.model.batch import AttnMetadata
 from loopserve.model.layers import Rotation
+from loopserve.model.paged_kv import dequantize
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -32,21 +33,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
 
 
+def _read(ctx: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered blocks [..., 2, bs, Hkv, D] in `dtype`, dequantized by (k_scale, v_scale)."""
+    if kv_scale is None:
+        return ctx.to(dtype)
+    return dequantize(ctx, kv_scale.view(2, 1, 1, 1), dtype)
+
+
 class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttnMetadata, scale: float, window: int | None = None,
-                rot: Rotation | None = None) -> torch.Tensor:
+                rot: Rotation | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         if rot is not None:
             q, k = rot(q), rot(k)
-        write_kv(cache, meta, k, v)
+        write_kv(cache, meta, k, v, kv_scale)
         if len(meta.seg_bounds) == q.shape[0]:
-            return self._decode(q, cache, meta, scale, window)
+            return self._decode(q, cache, meta, scale, window, kv_scale)
         out = torch.empty_like(q)
         for s, (a, b) in enumerate(meta.seg_bounds):
             n = meta.seg_num_blocks[s]
             if a == b or n == 0:
                 continue
-            ctx = cache[meta.block_tables[s, :n].long()]  # [n, 2, bs, Hkv, D]
+            ctx = _read(cache[meta.block_tables[s, :n].long()], q.dtype, kv_scale)  # [n, 2, bs, Hkv, D]
             keys = ctx[:, 0].reshape(-1, *ctx.shape[-2:]).transpose(0, 1)  # [Hkv, L, D]
             vals = ctx[:, 1].reshape(-1, *ctx.shape[-2:]).transpose(0, 1)
             mask = _visible(meta.positions[a:b], torch.arange(keys.shape[1], device=q.device), window)
@@ -57,14 +65,14 @@ class TorchAttention:
 
     @staticmethod
     def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, kv_scale: torch.Tensor | None) -> torch.Tensor:
         """One row per segment: gather every segment's blocks at once, batched attention."""
         s_n, hq, d = q.shape
         nb = max(meta.seg_num_blocks)
-        kv = cache[meta.block_tables[:, :nb].long()]  # [S, nb, 2, bs, Hkv, D]
+        kv = _read(cache[meta.block_tables[:, :nb].long()], torch.float32, kv_scale)  # [S, nb, 2, bs, Hkv, D]
         hkv = kv.shape[-2]
-        k = kv[:, :, 0].reshape(s_n, -1, hkv, d).float()
-        v = kv[:, :, 1].reshape(s_n, -1, hkv, d).float()
+        k = kv[:, :, 0].reshape(s_n, -1, hkv, d)
+        v = kv[:, :, 1].reshape(s_n, -1, hkv, d)
         vis = _visible(meta.positions, torch.arange(k.shape[1], device=q.device), window)  # [S, L]
         qg = q.float().view(s_n, hkv, hq // hkv, d)
         scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale

@@ -6,7 +6,9 @@ forward never waits on the device.
 
 A prompt's first chunk (rows = positions 0..n-1, none exited) reads nothing but its own new
 K/V, so those segments go to torch's SDPA (FlashAttention / cuDNN on Hopper) on the rows
-directly; the paged kernel takes the rest of the batch.
+directly; the paged kernel takes the rest of the batch. An FP8 cache (a `kv_scale` given) is
+quantized by the write kernel and dequantized inside the paged kernel; SDPA's fresh rows see
+the same rounded K/V.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import triton.language as tl
 from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
 from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
+from loopserve.model.attention.base import stored
 from loopserve.model.attention.segments import fresh_segments, subset
 from loopserve.model.batch import AttnMetadata
 from loopserve.model.layers import Rotation
+from loopserve.model.paged_kv import FP8
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_CACHE_DTYPES = (*_DTYPES, FP8)  # tl.float8e4nv: e4m3fn (Hopper's and Ada's FP8 conversions)
 _MAX_BLOCK_SIZE = 128
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
@@ -86,21 +91,23 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttnMetadata, scale: float, window: int | None = None,
-                rot: Rotation | None = None) -> torch.Tensor:
-        _check_inputs(q, k, v, cache, meta, window, rot)
+                rot: Rotation | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        _check_inputs(q, k, v, cache, meta, window, rot, kv_scale)
         fresh = [] if window is not None or self.dense_prefill_rows is None else \
             fresh_segments(meta, self.dense_prefill_rows)
         if rot is None:
-            triton_write_kv(cache, meta, k, v)
+            triton_write_kv(cache, meta, k, v, kv_scale)
         else:  # RoPE fused into the slot write; SDPA's fresh rows need the rotated k too
-            q, k_rot = triton_rope_write_kv(cache, meta, q, k, v, rot, keep_k=bool(fresh))
+            q, k_rot = triton_rope_write_kv(cache, meta, q, k, v, rot, keep_k=bool(fresh), kv_scale=kv_scale)
             k = k if k_rot is None else k_rot
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
         if not fresh:
-            return self._attend(q, cache, meta, scale, window, out)
-        k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)  # what the plane holds
+            return self._attend(q, cache, meta, scale, window, out, kv_scale)
+        # what the plane holds
+        k = stored(k, cache.dtype, None if kv_scale is None else kv_scale[0]).to(q.dtype)
+        v = stored(v, cache.dtype, None if kv_scale is None else kv_scale[1]).to(q.dtype)
         for s in fresh:
             a, b = meta.seg_bounds[s]
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
@@ -112,16 +119,20 @@ class TritonAttention:
         if rest:
             rows, sub = subset(meta, rest)
             if rows.numel():
-                out[rows] = self._attend(q[rows], cache, sub, scale, window, torch.empty_like(q[rows]))
+                out[rows] = self._attend(q[rows], cache, sub, scale, window, torch.empty_like(q[rows]),
+                                         kv_scale)
         return out
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
-                window: int | None, out: torch.Tensor) -> torch.Tensor:
+                window: int | None, out: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
         num_rows, hq, head_d = q.shape
         hkv = cache.shape[3]
         group = hq // hkv
         num_sms = 1 if _INTERPRET else _num_sms(q.device)
-        dot_dtype = _DTYPES[cache.dtype] if q.dtype == cache.dtype else tl.float32
+        if cache.dtype == FP8:  # e4m3 values convert exactly to q's dtype
+            dot_dtype = _DTYPES[q.dtype]
+        else:
+            dot_dtype = _DTYPES[cache.dtype] if q.dtype == cache.dtype else tl.float32
         if _INTERPRET and dot_dtype == tl.bfloat16:
             dot_dtype = tl.float32  # the interpreter's numpy dot misreads bf16 operands
         cfg = launch_config(meta, group, hkv, num_sms, self.kv_splits, fp32=dot_dtype == tl.float32)
@@ -136,12 +147,13 @@ class TritonAttention:
             acc, m_part, l_part = out, out, out  # the partial buffers are unused without SPLIT
         grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
         _paged_attn_kernel[grid](
-            q, cache, acc, m_part, l_part, meta.seg_starts, meta.block_tables, meta.positions,
+            q, cache, kv_scale if kv_scale is not None else q, acc, m_part, l_part, meta.seg_starts,
+            meta.block_tables, meta.positions,
             num_segs, num_rows, cfg.num_splits, scale * math.log2(math.e), window or 0,
             *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
             G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype,
+            HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype, KV_FP8=kv_scale is not None,
             num_warps=cfg.num_warps, num_stages=2)
         if split:
             _merge_splits_kernel[(num_rows, hq)](
@@ -151,7 +163,8 @@ class TritonAttention:
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                  meta: AttnMetadata, window: int | None, rot: Rotation | None) -> None:
+                  meta: AttnMetadata, window: int | None, rot: Rotation | None,
+                  kv_scale: torch.Tensor | None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     num_rows, hq, head_d = q.shape
@@ -172,11 +185,19 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torc
     if not 1 <= head_d <= _MAX_HEAD_DIM:
         raise ValueError(f"head_dim={head_d} must be in [1, {_MAX_HEAD_DIM}]")
     for name, t in (("q", q), ("k", k), ("v", v), ("cache", cache)):
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} not supported (one of {list(_DTYPES)})")
+        allowed = _CACHE_DTYPES if name == "cache" else _DTYPES
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} dtype {t.dtype} not supported (one of {list(allowed)})")
         if t.device != cache.device or (t.device.type != "cuda" and not _INTERPRET):
             raise ValueError(f"{name} is on {t.device}: TritonAttention needs CUDA tensors on one device "
                              f"(CPU only under TRITON_INTERPRET=1)")
+    if (cache.dtype == FP8) != (kv_scale is not None):
+        raise ValueError(f"kv_scale must be given exactly for an FP8 cache (cache is {cache.dtype}, "
+                         f"kv_scale {'given' if kv_scale is not None else 'None'})")
+    if kv_scale is not None and (tuple(kv_scale.shape) != (2,) or kv_scale.dtype != torch.float32
+                                 or kv_scale.device != cache.device or not kv_scale.is_contiguous()):
+        raise ValueError(f"kv_scale must be a contiguous fp32 [2] (k_scale, v_scale) on {cache.device}, got "
+                         f"{kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}")
     if meta.positions.shape[0] != num_rows or meta.slot_mapping.shape[0] != num_rows:
         raise ValueError(f"meta.positions/slot_mapping have {meta.positions.shape[0]}/"
                          f"{meta.slot_mapping.shape[0]} rows, q has T={num_rows}")

@@ -8,7 +8,7 @@ with slot -1 (padding of a CUDA-graph batch) write nothing.
 With a rotation, each program also rotates its row's q heads (written to a new contiguous
 q) and k heads in fp32, rounds them to the input dtype as the torch path does, and writes the
 rotated k; at decode batch sizes the two RoPE launches and the write cost more in launches
-and gaps than in bytes.
+and gaps than in bytes. An FP8 cache gets k and v quantized by the layer's scales on the way.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.model.attention.triton_paged_attn import kv_scales, to_cache
 from loopserve.model.batch import AttnMetadata
 from loopserve.model.layers import Rotation
 
@@ -36,12 +37,13 @@ def _rotated(X, s_h, s_d, h, d, mask, cos, sin, HALF: tl.constexpr, INTERLEAVED:
 
 
 @triton.jit
-def _write_kv_kernel(K, V, Cache, Slots, Q, QOut, KOut, Cos, Sin,
+def _write_kv_kernel(K, V, Cache, KVScale, Slots, Q, QOut, KOut, Cos, Sin,
                      sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sq_t, sq_h, sq_d, s_cos,
                      sc_blk, sc_kv, sc_off, sc_h, sc_d,
                      HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, STORE_K: tl.constexpr):
+                     ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, STORE_K: tl.constexpr,
+                     KV_FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -66,13 +68,14 @@ def _write_kv_kernel(K, V, Cache, Slots, Q, QOut, KOut, Cos, Sin,
     v = tl.load(V + t * sv_t + h[:, None] * sv_h + d[None, :] * sv_d, mask=mask)
     live = mask & ((h * 0 + slot) >= 0)[:, None]  # slot -1: a padding row
     dst = Cache + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_off + h[:, None] * sc_h + d[None, :] * sc_d
-    tl.store(dst, k.to(Cache.dtype.element_ty), mask=live)
-    tl.store(dst + sc_kv, v.to(Cache.dtype.element_ty), mask=live)
+    k_scale, v_scale = kv_scales(KVScale, KV_FP8)
+    tl.store(dst, to_cache(k, k_scale, Cache.dtype.element_ty, KV_FP8), mask=live)
+    tl.store(dst + sc_kv, to_cache(v, v_scale, Cache.dtype.element_ty, KV_FP8), mask=live)
 
 
 def _launch(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.Tensor,
             q: torch.Tensor | None, q_out: torch.Tensor | None, k_out: torch.Tensor | None,
-            rot: Rotation | None) -> None:
+            rot: Rotation | None, kv_scale: torch.Tensor | None) -> None:
     num_rows, hkv, head_d = k.shape
     if num_rows == 0:
         return
@@ -80,25 +83,28 @@ def _launch(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.T
     cos, sin = (rot.cos, rot.sin) if rot is not None else (k, k)  # unused without ROTATE
     qs = q.stride() if q is not None else (0, 0, 0)
     _write_kv_kernel[(num_rows,)](
-        k, v, cache, meta.slot_mapping, q if q is not None else k, q_out if q_out is not None else k,
-        k_out if k_out is not None else k, cos, sin,
+        k, v, cache, kv_scale if kv_scale is not None else k, meta.slot_mapping,
+        q if q is not None else k, q_out if q_out is not None else k, k_out if k_out is not None else k, cos, sin,
         *k.stride(), *v.stride(), *qs, cos.stride(0), *cache.stride(),
         HQ=hq, HKV=hkv, HEAD_D=head_d, PAGE=meta.block_size,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_H=triton.next_power_of_2(hkv),
         BLOCK_D=triton.next_power_of_2(head_d), ROTATE=rot is not None,
-        INTERLEAVED=bool(rot is not None and rot.interleaved), STORE_K=k_out is not None)
+        INTERLEAVED=bool(rot is not None and rot.interleaved), STORE_K=k_out is not None,
+        KV_FP8=kv_scale is not None)
 
 
-def triton_write_kv(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+def triton_write_kv(cache: torch.Tensor, meta: AttnMetadata, k: torch.Tensor, v: torch.Tensor,
+                    kv_scale: torch.Tensor | None = None) -> None:
     """Same effect as `attention.base.write_kv`; shapes are checked by the caller."""
-    _launch(cache, meta, k, v, None, None, None, None)
+    _launch(cache, meta, k, v, None, None, None, None, kv_scale)
 
 
 def triton_rope_write_kv(cache: torch.Tensor, meta: AttnMetadata, q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, rot: Rotation, keep_k: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         v: torch.Tensor, rot: Rotation, keep_k: bool,
+                         kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rot(q), rot(k) if keep_k else None), with rot(k) and v written at their slots: the
     same values as `rot` then `write_kv`. Shapes are checked by the caller."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if keep_k else None
-    _launch(cache, meta, k, v, q, q_out, k_out, rot)
+    _launch(cache, meta, k, v, q, q_out, k_out, rot, kv_scale)
     return q_out, k_out

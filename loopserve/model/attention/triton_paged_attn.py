@@ -12,12 +12,50 @@ small decode batches still fill the GPU; each chunk writes (max, sum, unnormalis
 `_merge_splits_kernel` combines them. Scores live in the log2 domain (exp2). DOT_DTYPE is the
 storage dtype, or fp32 when q and the cache differ; "ieee" keeps fp32 dots out of TF32 (it
 does not change bf16/fp16 dots).
+
+An FP8 cache (KV_FP8) is read as stored (e4m3 converts exactly to bf16/fp16/fp32) and dots in
+q's dtype; its per-layer k_scale folds into the score scale and v_scale into the output, so
+dequantizing costs two scalar loads per program.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+FP8_MAX: tl.constexpr = 448.0  # paged_kv.FP8_MAX
+
+
+@triton.jit
+def kv_scales(KVScale, KV_FP8: tl.constexpr):
+    """(k_scale, v_scale) of an FP8 cache's layer; 1.0 for a cache in the model dtype."""
+    if KV_FP8:
+        return tl.load(KVScale), tl.load(KVScale + 1)
+    return 1.0, 1.0
+
+
+@triton.jit
+def _e4m3_rounded(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the
+    magic-number add drops all but 3 mantissa bits of x's binade (binade 2^-6 below it: the
+    subnormals' step 2^-9). The conversion to FP8 that follows is then exact; the Triton
+    interpreter's own rounding halves a value whose rounding carries into the exponent (0.49
+    -> 0.25) and flushes subnormals, while Hopper's cvt agrees with torch either way."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(e + 20)
+    r = (x + magic) - magic
+    return tl.where(r == 0.0, x * 0.0, r)  # keep the sign of a zero, as torch does
+
+
+@triton.jit
+def to_cache(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """x in the cache's storage: FP8 bit for bit as paged_kv.quantize (x / scale clamped to
+    ±448, nearest e4m3), else cast."""
+    if KV_FP8:
+        x = _e4m3_rounded(tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX))
+    return x.to(dtype)
 
 
 @triton.jit
@@ -48,14 +86,14 @@ def kv_tile(Cache, Table, kpos, kv_hi, d, d_mask, sc_blk, sc_kv, sc_off, sc_d, P
 
 
 @triton.jit
-def _paged_attn_kernel(Q, Cache, Out, MPart, LPart, SegStarts, BlockTables, Positions,
+def _paged_attn_kernel(Q, Cache, KVScale, Out, MPart, LPart, SegStarts, BlockTables, Positions,
                        num_segs, num_rows, num_splits, qk_scale, window,
                        sq_t, sq_h, sq_d, so_t, so_h, so_d,
                        sc_blk, sc_kv, sc_off, sc_h, sc_d, s_bt,
                        G: tl.constexpr, HQ: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
                        BQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr):
+                       DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,6 +122,8 @@ def _paged_attn_kernel(Q, Cache, Out, MPart, LPart, SegStarts, BlockTables, Posi
     q = tl.load(Q + row[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=valid[:, None] & d_mask[None, :], other=0.0)
     q = q.to(DOT_DTYPE)
+    k_scale, v_scale = kv_scales(KVScale, KV_FP8)
+    qk_scale = qk_scale * k_scale
     k_base = Cache + kvh * sc_h
     table = BlockTables + seg.to(tl.int64) * s_bt
 
@@ -107,6 +147,7 @@ def _paged_attn_kernel(Q, Cache, Out, MPart, LPart, SegStarts, BlockTables, Posi
                                                input_precision="ieee")
         m_i = m_new
 
+    acc = acc * v_scale
     o_mask = valid[:, None] & d_mask[None, :]
     if SPLIT:
         part = (split * num_rows + row).to(tl.int64) * HQ + head

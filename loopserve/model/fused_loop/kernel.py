@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from loopserve.model.attention.triton_kv_write import _rotated
-from loopserve.model.attention.triton_paged_attn import kv_tile
+from loopserve.model.attention.triton_paged_attn import kv_scales, kv_tile, to_cache
 
 PHASES_PER_LAYER = 5  # the kernel's PHASES argument
 
@@ -120,16 +120,18 @@ def _gemv(W, N, K, Xs, Y, num_rows, pid, num_progs,
 
 
 @triton.jit
-def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc, MPart, LPart,
-               Tickets, Merged, layer, num_rows, num_splits, qk_scale, pid, num_progs,
+def _attention(QKV, Cache, KVScale, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc, MPart,
+               LPart, Tickets, Merged, layer, num_rows, num_splits, qk_scale, pid, num_progs,
                sc_blk, sc_kv, sc_off, sc_h, sc_d,
                HQ: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+               KV_FP8: tl.constexpr):
     """Flash-decoding partials (unnormalised acc, max, sum in the log2 domain) of every
     (row, kv head, split); the split holding a row's position first writes its k, v. The
     last split of a (row, kv head) to finish (a ticket per pair, counting on over layers)
     merges them into Merged: once, where every o-phase program merging all of them for
-    itself read the same lines at once (L2 slice hot spot: 13-47 us a phase)."""
+    itself read the same lines at once (L2 slice hot spot: 13-47 us a phase). An FP8 cache:
+    k, v quantized on the write; k_scale folded into the scores, v_scale into the partials."""
     G: tl.constexpr = HQ // HKV
     NQKV: tl.constexpr = (HQ + 2 * HKV) * HEAD_D
     d = tl.arange(0, BLOCK_D)
@@ -137,6 +139,7 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
     g = tl.arange(0, BLOCK_G)
     g_mask = g < G
     pair = d % (HEAD_D // 2)
+    k_scale, v_scale = kv_scales(KVScale, KV_FP8)
     for item in range(pid, num_rows * HKV * num_splits, num_progs):
         split = item % num_splits
         kvh = (item // num_splits) % HKV
@@ -160,8 +163,9 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
                              cos, sin, HEAD_D // 2, False)
             v_new = tl.load(base + (HQ + HKV) * HEAD_D + kvh * HEAD_D + d, mask=d_mask, other=0.0)
             dst = cache + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_off + d * sc_d
-            tl.store(dst[None, :], k_new.to(Cache.dtype.element_ty), mask=d_mask[None, :])
-            tl.store(dst + sc_kv, v_new.to(Cache.dtype.element_ty), mask=d_mask)
+            tl.store(dst[None, :], to_cache(k_new, k_scale, Cache.dtype.element_ty, KV_FP8),
+                     mask=d_mask[None, :])
+            tl.store(dst + sc_kv, to_cache(v_new, v_scale, Cache.dtype.element_ty, KV_FP8), mask=d_mask)
             tl.debug_barrier()  # this program reads the slot back below
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -171,7 +175,7 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
             k, v, in_range = kv_tile(cache, Tables + row * s_tab, kpos, hi, d, d_mask, sc_blk, sc_kv, sc_off,
                                      sc_d, PAGE)
             k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * (qk_scale * k_scale)
             s = tl.where(in_range[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])
@@ -179,6 +183,7 @@ def _attention(QKV, Cache, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos, Acc
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
+        acc = acc * v_scale
         part = (split * num_rows + row) * HQ + head
         tl.store(MPart + part, m_i, mask=g_mask)
         tl.store(LPart + part, l_i, mask=g_mask)
@@ -252,7 +257,7 @@ def _exit_gate(Scratch, Out, WGate, BGate, RemIn, RemOut, Score, num_rows, H,
 def ouro_loop_kernel(
         Hidden, s_hid, Out, RemIn, RemOut, Score,
         Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
-        Cache, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
+        Cache, KVScales, sc_blk, sc_layer, sc_kv, sc_off, sc_h, sc_d,
         Wqkv, Wo, Wgu, Wdown, Norms, WNorm, WGate, BGate,
         Xres, Delta, QKV, GU, Acc, MPart, LPart, Merged, Scratch, s_scr, Count, Times,
         num_rows, num_splits, qk_scale, eps, phase_lo, phase_hi,
@@ -261,9 +266,11 @@ def ouro_loop_kernel(
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
-        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, TIMING: tl.constexpr):
+        BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, TIMING: tl.constexpr,
+        KV_FP8: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
-    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). Times:
+    [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). KVScales:
+    [L, 2] fp32 (k_scale, v_scale) of an FP8 cache (KV_FP8). Times:
     [phases, programs, 3] int64 when TIMING (see _stamp)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -296,10 +303,11 @@ def ouro_loop_kernel(
                       BLOCK_B, BN_QKV, BK, X_OWN)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 1:
-            _attention(QKV, Cache + lw * sc_layer, Positions, Slots, Tables, s_tab, Cos, Sin, s_cos,
+            _attention(QKV, Cache + lw * sc_layer, KVScales + lw * 2, Positions, Slots, Tables, s_tab,
+                       Cos, Sin, s_cos,
                        Acc, MPart, LPart, Count + 1, Merged, layer, num_rows, num_splits, qk_scale, pid, num_progs,
                        sc_blk, sc_kv, sc_off, sc_h, sc_d, HQ, HKV, HEAD_D, PAGE,
-                       BLOCK_G, BLOCK_N, BLOCK_D, BLOCK_S)
+                       BLOCK_G, BLOCK_N, BLOCK_D, BLOCK_S, KV_FP8)
             _stamp(Times, ph, pid, num_progs, 2, TIMING)
         elif kind == 2:
             if pid < tl.cdiv(H, BN_O):

@@ -213,7 +213,8 @@ class OuroFusedLoop:
         bn = {kind: row_tile(n, progs) for kind, n in (("qkv", nqkv), ("o", h), ("gate_up", 2 * inter), ("down", h))}
         args = (hidden, hidden.stride(0), out, state.aux, rem_out, score,
                 meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0),
-                rot.cos, rot.sin, rot.cos.stride(0), cache, *cache.stride(),
+                rot.cos, rot.sin, rot.cos.stride(0), cache, kv.scales["looped"] if kv.quantized else cache,
+                *cache.stride(),
                 st.qkv, st.o, st.gate_up, st.down, st.norms, m.model.norm.weight, gate.weight, gate.bias,
                 xres, delta, qkv, gu, acc, m_part, l_part, merged, scratch, bb * h, count, times,
                 t, splits, m.model.layers[0].self_attn.scale * math.log2(math.e), cfg.rms_norm_eps)
@@ -223,7 +224,7 @@ class OuroFusedLoop:
             BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
             BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
             PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, TIMING=times is not None,
-            num_warps=self.num_warps, num_stages=_NUM_STAGES)
+            KV_FP8=kv.quantized, num_warps=self.num_warps, num_stages=_NUM_STAGES)
         return args, consts, (out, rem_out, score)
 
     def _resident_grid(self, rows: int, dev: torch.device, compile_for) -> int:
