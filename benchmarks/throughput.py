@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure_rates(table.device, DTYPES[args.dtype])
     print(f"rates (this run): copy {rates['copy_GBps']:.1f} GB/s (read + write), matmul "
           f"{rates['matmul_TFLOPs']:.2f} TFLOP/s ({args.dtype})")
-    print(f"engine: {args.model} {args.dtype}, KV {args.kv_cache_dtype}: {table.kv_token * table.planes / 1024:.0f} KiB "
+    print(f"engine: {args.model} {args.dtype}, KV {args.kv_cache_dtype}: {table.kv_token * table.planes / 1024:.1f} KiB "
           f"per token ({table.planes} looped planes), pool {table.num_blocks} blocks of {args.block_size}; "
           f"{'GPU features on' if table.device.type == 'cuda' else 'CPU defaults'}; adaptive: exit_threshold "
           f"{args.exit_threshold}; {args.output_len} output tokens; closed loop of 2*C, C in flight", flush=True)
