@@ -1,12 +1,16 @@
 """`loopserve client`, `loopserve generate` and `loopserve bench serve` against the shipped
 trained model, as the README runs them: the client prints the reply on stdout and, on stderr,
 each token's exit depth (the README's "4 loops" / "exits after 3 loops"); generate's default
-model is the server's; bench serve writes under the git-ignored results/ and says where."""
+model is the server's; bench serve writes under the git-ignored results/ and says where; a
+prompt over the default cluster's max_model_len gets the refusal README.md and
+docs/reliability.md quote."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ from tests.cluster.inprocess import InProcessHandle
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "o=7;z=o;c=8;p=c;j=a;a=p;j=?"  # j=a, a=p, p=c, c=8: four hops
-ENGINE = {"model": DEFAULT_MODEL, "block_size": 4, "num_blocks": 1024, "max_model_len": 512}
+ENGINE = ClusterConfig().engine.model_dump()  # the default cluster's: max_model_len 512
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +70,29 @@ def test_bench_serve_writes_under_the_ignored_results_dir(router, tmp_path, monk
     names = ["results/bench-result.json", "results/bench-latency.png"]
     ignored = subprocess.run(["git", "check-ignore", *names], cwd=ROOT, capture_output=True, text=True)
     assert ignored.stdout.split() == names, "results/ is not git-ignored"
+
+
+def _refusal(prompt_len: int, max_tokens: int) -> str:
+    return f"prompt length ({prompt_len}) + max_tokens ({max_tokens}) must be <= max_model_len (512)"
+
+
+def test_the_default_limits_are_what_the_docs_say(router, capsys):
+    """512 tokens for prompt + max_tokens, one token per UTF-8 byte: 480 bytes + 32 is served,
+    481 bytes (476 characters) + 32 is refused, as is the issue's 2000-character prompt."""
+    assert ENGINE["max_model_len"] == 512 and ENGINE["model"] == DEFAULT_MODEL
+    with serving(router) as client:
+        assert main(["client", "a" * 480, "--address", client.address]) == 0
+        capsys.readouterr()
+        assert main(["client", "é" * 5 + "a" * 471, "--address", client.address]) == 1
+        assert capsys.readouterr().err.strip() == f"loopserve: error: INVALID_ARGUMENT: {_refusal(481, 32)}"
+        assert main(["client", "a" * 2000, "--address", client.address]) == 1
+        assert capsys.readouterr().err.strip() == f"loopserve: error: INVALID_ARGUMENT: {_refusal(2000, 32)}"
+    with http_serving(router, ENGINE) as server:
+        req = urllib.request.Request(f"{server.url}/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": DEFAULT_MODEL, "prompt": "a" * 2000}).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["message"] == _refusal(2000, 16)
+    for doc in ("README.md", "docs/reliability.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert _refusal(2000, 16) in text, doc
