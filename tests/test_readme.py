@@ -111,7 +111,10 @@ class Server:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    """A user's shell: without the Ray and Triton settings this test session made for itself
+    (its own Ray token, the Triton interpreter), with this checkout's loopserve first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "TRITON_INTERPRET"}
+    return {**env, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _in_env(command: str) -> list[str]:
@@ -119,7 +122,7 @@ def _in_env(command: str) -> list[str]:
 
 
 def _installed_here() -> bool:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
     r = subprocess.run(_in_env("cd / && python3 -c 'import loopserve, pathlib; "
                                "print(pathlib.Path(loopserve.__file__).resolve().parents[1])'"),
                        cwd=ROOT, env=env, capture_output=True, text=True)
