@@ -8,21 +8,33 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loopserve.bench.serve import add_args as add_bench_args
+from loopserve.cli_format import HelpFormatter
 from loopserve.cluster.config import SERVER_FLAGS, add_server_args
+from loopserve.engine.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from loopserve.cluster.protocol import StreamEvent
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--min-loops", type=int, default=None)
-    p.add_argument("--max-loops", type=int, default=None)
-    p.add_argument("--exit-threshold", type=float, default=None)
-    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1: all")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: one derived from the engine's seed)")
+    p.add_argument("--min-loops", type=int, default=None,
+                   help="loops every token runs before it may exit (default: the model's)")
+    p.add_argument("--max-loops", type=int, default=None,
+                   help="loops a token runs at most (default: the model's loop count)")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="a token exits once its exit gate's cumulative probability reaches this; "
+                   "1.0: fixed depth (default: the model's)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT; repeat for several")
 
 
 def _sampling(args: argparse.Namespace):
@@ -78,11 +90,12 @@ def cmd_client(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get(AUTH_TOKEN_ENV)
     with LoopServeClient(args.address, token=token, tls=args.tls, root_certificates=_read(args.tls_ca),
                          private_key=_read(args.tls_key), certificate_chain=_read(args.tls_cert)) as client:
-        done = None
+        done, depths = None, []
         try:
             for event in client.generate(args.prompt, _sampling(args), request_id=args.request_id):
                 if event.kind == "chunk":
                     print(event.text, end="", flush=True)
+                    depths.extend(event.exit_depths)
                 elif event.kind == "complete":
                     done = event
                 else:
@@ -91,8 +104,14 @@ def cmd_client(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"loopserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(f"\n--- {done.finish_reason}; {done.completion_tokens} tokens", file=sys.stderr)
+    print(f"\n{summary_line(done, depths)}", file=sys.stderr)
     return 0
+
+
+def summary_line(done: StreamEvent, exit_depths: list[int]) -> str:
+    """How the reply ended and the loops each token ran (the point of a looped model); on
+    stderr, so that stdout is the reply alone."""
+    return f"--- {done.finish_reason}; {done.completion_tokens} tokens; exit depths {exit_depths}"
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -102,26 +121,34 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate for prompts on a colocated engine and exit")
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--config", default=None, help="engine YAML (default: built-in tiny CPU model)")
-    g.add_argument("--model", default=None, help="a model name in loopserve/model/configs or an HF-format directory")
-    g.add_argument("--device", default=None)
+
+    def command(subparsers, name: str, help: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    g = command(sub, "generate", "generate for prompts on a colocated engine and exit")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (one character is one token "
+                   "with the byte tokenizer of the embedded models)")
+    g.add_argument("--config", default=None, help="engine YAML (default: EngineConfig's defaults, "
+                   f"model {DEFAULT_MODEL} on the CPU)")
+    g.add_argument("--model", default=None, help="a model name in loopserve/model/configs or "
+                   f"loopserve/checkpoints, or an HF-format directory (default: the config's, else {DEFAULT_MODEL})")
+    g.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the config's, else cpu)")
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    s = sub.add_parser("serve", help="start a PD (or colocated) cluster behind the gRPC and "
-                       "OpenAI-compatible HTTP servers")
+    s = command(sub, "serve", "start a PD (or colocated) cluster behind the gRPC and "
+                "OpenAI-compatible HTTP servers")
     s.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
     add_server_args(s)
     s.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     s.set_defaults(func=cmd_serve)
-    c = sub.add_parser("client", help="stream one reply from a running `loopserve serve`")
-    c.add_argument("prompt")
-    c.add_argument("--address", default="127.0.0.1:50051")
-    c.add_argument("--request-id", default=None)
+    c = command(sub, "client", "stream one reply from a running `loopserve serve` (gRPC): the text "
+                "on stdout, then on stderr how it ended and each token's exit depth (loops it ran)")
+    c.add_argument("prompt", help="the prompt text")
+    c.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address")
+    c.add_argument("--request-id", default=None, help="the request's id (default: the server assigns one)")
     c.add_argument("--token", default=None, help="bearer token (default: $LOOPSERVE_AUTH_TOKEN, "
                    "which keeps it out of the process list)")
     c.add_argument("--tls", action="store_true", help="TLS, trusting the system's root certificates")
@@ -130,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-key", default=None, help="client private key PEM (with --tls-cert)")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_client)
-    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    bs = b.add_parser("serve", help="a seeded serving benchmark against a running `loopserve serve`")
+    b = command(sub, "bench", "benchmarks").add_subparsers(dest="bench", required=True)
+    bs = command(b, "serve", "a seeded serving benchmark against a running `loopserve serve`")
     add_bench_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
     return parser

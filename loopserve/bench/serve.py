@@ -16,31 +16,39 @@ from loopserve.bench.backends import Backend, GrpcBackend, OpenAIBackend, Reques
 from loopserve.bench.dataset import BenchRequest, arrival_offsets, random_requests
 from loopserve.bench.report import plot_cdfs, summarize, table, write_json
 
+# Where results go by default: relative to the working directory, and ignored by git (.gitignore)
+# so that a run in the checkout leaves no untracked files.
+RESULTS_DIR = Path("results")
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("openai", "grpc"), default="openai")
+    p.add_argument("--backend", choices=("openai", "grpc"), default="openai", help="the front to drive")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the HTTP front (openai)")
     p.add_argument("--address", default="127.0.0.1:50051", help="the gRPC front (grpc)")
-    p.add_argument("--model", default=None, help="default: the server's /v1/models (openai)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--model", default=None, help="model name to send (default: the server's /v1/models; openai)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (mean)")
     p.add_argument("--output-len", type=int, default=32, help="output tokens (mean; ignore_eos)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--prefix-len", type=int, default=0, help="a random prefix every prompt shares")
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals, requests/s (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--min-loops", type=int, default=None)
-    p.add_argument("--max-loops", type=int, default=None)
-    p.add_argument("--exit-threshold", type=float, default=None)
+                   help="Poisson arrivals, requests/s; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no cap)")
+    p.add_argument("--seed", type=int, default=0, help="the workload's lengths, tokens and arrivals")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--min-loops", type=int, default=None, help="per request (default: the model's)")
+    p.add_argument("--max-loops", type=int, default=None, help="per request (default: the model's)")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="per request; 1.0: fixed depth (default: the model's)")
     p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50")
-    p.add_argument("--result-file", default="bench-result.json")
-    p.add_argument("--plot", default="bench-latency.png", help="latency CDFs (PNG); '' for none")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--result-file", type=Path, default=RESULTS_DIR / "bench-result.json",
+                   help="the report as JSON, per request too (its directory is created)")
+    p.add_argument("--plot", default=str(RESULTS_DIR / "bench-latency.png"),
+                   help="latency CDFs (PNG); '' for none")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _slos(items: list[str]) -> dict[str, float]:
@@ -95,6 +103,11 @@ async def run(backend: Backend, requests: list[BenchRequest], offsets: list[floa
     return traces, time.perf_counter() - start
 
 
+def _writable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def bench_serve(args: argparse.Namespace) -> int:
     from loopserve.cluster.config import AUTH_TOKEN_ENV
 
@@ -114,10 +127,11 @@ def bench_serve(args: argparse.Namespace) -> int:
               "max_concurrency": args.max_concurrency, "seed": args.seed,
               **summarize(traces, duration, slos)}
     print(table(result))
-    write_json(result, traces, Path(args.result_file))
-    print(f"result: {args.result_file}")
+    write_json(result, traces, _writable(args.result_file))
+    print(f"result: {args.result_file.resolve()}")
     if args.plot:
-        plot_cdfs(traces, Path(args.plot), f"{args.backend} {result['target']}: {args.num_prompts} requests, "
+        plot = _writable(Path(args.plot))
+        plot_cdfs(traces, plot, f"{args.backend} {result['target']}: {args.num_prompts} requests, "
                   f"rate {args.request_rate}")
-        print(f"latency CDFs: {args.plot}")
+        print(f"latency CDFs: {plot.resolve()}")
     return 0 if result["failed"] == 0 else 1

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from loopserve.cluster.limits import RequestLimits
 from loopserve.config_file import ConfigError, describe, read_yaml
-from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
+from loopserve.engine.config import DEFAULT_MODEL, EngineConfig, given_scheduler_keys, merge_engine_data
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 LOCAL_PREFILL_TOKENS = 0
@@ -123,7 +123,7 @@ class ServerConfig(_Strict):
 
 
 def _default_engine() -> EngineConfig:
-    return EngineConfig(model="tiny-ouro-chains", block_size=4, num_blocks=2048, max_model_len=512,
+    return EngineConfig(model=DEFAULT_MODEL, block_size=4, num_blocks=2048, max_model_len=512,
                         max_num_seqs=32)
 
 
@@ -200,10 +200,12 @@ def server_overrides(config: ClusterConfig, args: argparse.Namespace) -> Cluster
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Flags over the config's `server` section (the bearer token stays in YAML or the env:
     a flag would show it in the process list)."""
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    p.add_argument("--host", default=None, help="address both fronts bind (default: the config's "
+                   "server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default: the config's server.port, 50051)")
     p.add_argument("--http-port", type=int, default=None,
-                   help="OpenAI-compatible HTTP port (default 8000; -1: no HTTP server)")
+                   help="OpenAI-compatible HTTP port; -1: no HTTP server (default: the config's "
+                   "server.http_port, 8000)")
     p.add_argument("--tls-cert", default=None, help="server certificate PEM (with --tls-key): TLS")
     p.add_argument("--tls-key", default=None, help="server private key PEM")
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA (mTLS)")

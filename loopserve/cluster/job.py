@@ -16,22 +16,23 @@ import sys
 import time
 
 from loopserve.bench.workload import make_workload, run_workload, summarize
+from loopserve.cli_format import HelpFormatter
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import add_server_args, load_cluster_config, server_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loopserve.cluster.job", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
     p.add_argument("--serve", action="store_true", help="serve (gRPC and OpenAI-compatible HTTP) "
                    "instead of running a workload")
     p.add_argument("--duration", type=float, default=None, help="serve this many seconds, then exit")
     add_server_args(p)
     p.add_argument("--workload", type=int, default=8, help="number of requests to run")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per workload request")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s); default all at once")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the workload's prompts and arrivals")
     return p
 
 

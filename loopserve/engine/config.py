@@ -13,6 +13,10 @@ from loopserve.scheduler.config import SchedulerConfig
 # arguments): every SchedulerConfig field but the model's coda_writes_kv.
 SCHEDULER_KEYS = frozenset(SchedulerConfig.model_fields) - {"coda_writes_kv"}
 
+# The model every entry point defaults to (EngineConfig, the embedded cluster, `loopserve
+# generate`): the shipped trained checkpoint, so a default run answers rather than prints noise.
+DEFAULT_MODEL = "tiny-ouro-chains"
+
 # The GPU paths all on (on CUDA they are the defaults; on CPU only defer_readback applies): as the
 # GPU tests and GPU benchmarks run them whatever a config file says.
 GPU_FEATURES: dict[str, object] = {"cuda_graphs": True, "fused_loop": "auto", "defer_readback": True}
@@ -23,7 +27,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "tiny-ouro"  # a name in loopserve/model/configs/ or a Hugging Face-format directory
+    model: str = DEFAULT_MODEL  # a name in loopserve/model/configs/ or checkpoints/, or an HF-format directory
     tokenizer: str | None = None  # a tokenizers JSON file; None = byte tokenizer
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
