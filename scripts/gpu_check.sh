@@ -9,6 +9,7 @@
 #   features: only when named: the serving step with EngineConfig's GPU_FEATURES forced on, for
 #             a new GPU path that lands off by default (it turns on by default once the check
 #             passed with it on; the shipped ones, on by default on CUDA, are in serving).
+# GPU_TEST_WORKERS=N runs the tests in N pytest-xdist processes on the one GPU (to fit a call).
 # Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
 # (default out/gpu_check.log). Arguments name a subset of the steps; only a run of the three
 # default ones is the check (a device call of at most 10 minutes fits "tests", then "serving decode").
@@ -42,7 +43,7 @@ step() {  # step NAME COMMAND...: runs it into the log, remembers a failure
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step tests "$PY" -m pytest -p no:cacheprovider -m gpu tests/gpu
+step tests "$PY" -m pytest -p no:cacheprovider ${GPU_TEST_WORKERS:+-n "$GPU_TEST_WORKERS"} -m gpu tests/gpu
 summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -1)")
 
 # The config's two workers hold 48 GiB of KV each: on a GPU under 120 GiB (an H100), 24 GiB.
