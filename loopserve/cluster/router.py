@@ -40,7 +40,8 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
@@ -120,6 +121,11 @@ class _WorkerState:
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
         self.calls = ThreadPoolExecutor(4, f"to-{self.id}")
+        # Observability (stats) on a thread of its own, one call in flight that every caller
+        # shares: scrapes of a hung worker never take the threads submits and handoffs need,
+        # and never queue behind each other.
+        self.observer = ThreadPoolExecutor(1, f"stats-{self.id}")
+        self.stats_call: Future | None = None
         self.keyer: PrefixKeyer | None = None  # how its prefix cache keys blocks (None: off)
 
     @property
@@ -203,7 +209,8 @@ class Router:
         self._closed = False
         self._threads: list[threading.Thread] = []
         self.metrics = metrics or ServingMetrics()
-        self.metrics.add_collector(WorkerCollector(self.stats))
+        self._collector = WorkerCollector(self.stats)
+        self.metrics.add_collector(self._collector)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Router:
@@ -242,6 +249,7 @@ class Router:
             t.join(timeout=self.poll_s + self.deadline_s)
         for w in self._workers.values():
             w.calls.shutdown(wait=False, cancel_futures=True)
+            w.observer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -638,10 +646,40 @@ class Router:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, dict]:
-        """Every worker's stats, each bounded by the deadline (blocking; call from a thread)."""
-        futures = {w.id: w.calls.submit(_safe, w.handle.stats, timeout=self.deadline_s)
-                   for w in self._workers.values()}
-        return {w.id: {"role": w.handle.role, **futures[w.id].result()} for w in self._workers.values()}
+        """Every worker's stats, within `deadline_s` of this call (blocking; call from a thread).
+        A worker that has not answered by then is reported as such."""
+        calls = self._stats_calls()
+        wait_futures(calls.values(), timeout=self.deadline_s)
+        return self._stats_of(calls)
+
+    async def stats_async(self) -> dict[str, dict]:
+        """`stats()` for an event loop: no thread is taken while the workers answer."""
+        calls = self._stats_calls()
+        waits = [asyncio.wrap_future(f) for f in calls.values()]
+        await asyncio.wait(waits, timeout=self.deadline_s)
+        return self._stats_of(calls)
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus text, its worker part within `deadline_s` of this call."""
+        stats = await self.stats_async()
+        with self._collector.given(stats):
+            return self.metrics.render()
+
+    def _stats_calls(self) -> dict[str, Future]:
+        """The stats call in flight to each worker, started if there is none."""
+        calls = {}
+        with self._lock:
+            for w in self._workers.values():
+                f = w.stats_call
+                if f is None or f.done():
+                    f = w.stats_call = w.observer.submit(_safe, w.handle.stats, timeout=self.deadline_s)
+                calls[w.id] = f
+        return calls
+
+    def _stats_of(self, calls: dict[str, Future]) -> dict[str, dict]:
+        silent = {"ok": False, "error": f"did not answer within {self.deadline_s:g} s of the call"}
+        return {w.id: {"role": w.handle.role, **(calls[w.id].result() if calls[w.id].done() else silent)}
+                for w in self._workers.values()}
 
     def health(self) -> dict[str, dict]:
         """Each worker as the router sees it (no call: answers whatever the workers do)."""

@@ -90,7 +90,7 @@ class LoopServeServicer:
         return pb.HealthResponse(healthy=ok, status=status)
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await asyncio.to_thread(self.router.stats)
+        stats = await self.router.stats_async()  # within the deadline of this call, no thread
         return pb.StatsResponse(workers=[_worker_stats(w, s) for w, s in stats.items()])
 
 
