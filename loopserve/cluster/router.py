@@ -328,7 +328,7 @@ class Router:
                 raise NoWorkerError("no healthy decode worker")
             entry, local = self._local_prefill(routed), True
             if entry is None:
-                entry, local = self._pick_entry(prompt=routed), False
+                entry, local = self._pick_start(set(), routed)
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
                          StreamHistory(prompt, params), routed, decode=entry.id if local else None)
@@ -383,6 +383,19 @@ class Router:
         best = self._choose(healthy, cached, lambda w: (w.queue_depth, -w.free_blocks, w.sent))
         self.metrics.routed_cached_tokens.inc(cached.get(best.id, 0))
         return best
+
+    def _pick_start(self, avoid: set[str], prompt: _Prompt | None) -> tuple[_WorkerState, bool]:
+        """The worker to start (or continue) a request on, and whether it is a decode worker
+        prefilling it itself: in pd mode with no healthy prefill worker, a decode worker
+        serves the whole request (no KV transfer) rather than failing it."""
+        try:
+            return self._pick_entry(avoid, prompt), False
+        except NoWorkerError:
+            chosen = self._decode_for(prompt, avoid) if self._decode else None
+            if chosen is None:
+                raise
+            self.metrics.routed_cached_tokens.inc(chosen[1])
+            return chosen[0], True
 
     def _decode_for(self, prompt: _Prompt | None, avoid: set[str]) -> tuple[_WorkerState, int] | None:
         """The decode worker for a request, and how much of its prompt that worker holds."""
@@ -455,7 +468,7 @@ class Router:
                 why = "the router is closing"
             elif st.history.migrations < self.max_migrations:
                 try:
-                    entry = self._pick_entry(st.avoid, st.prompt)
+                    entry, local = self._pick_start(st.avoid, st.prompt)
                 except NoWorkerError as e:
                     why = str(e)
             if entry is None:
@@ -464,7 +477,7 @@ class Router:
             else:
                 prompt, params = st.history.continuation()
                 st.request_id = self._engine_id(st.client_id)
-                st.entry, st.decode, st.decoding = entry.id, None, False
+                st.entry, st.decode, st.decoding = entry.id, entry.id if local else None, False
                 self._streams[st.request_id] = st
                 self._live[st.client_id] = st.request_id
                 entry.note_sent(0)
@@ -501,6 +514,7 @@ class Router:
                 if not w.failed:
                     log.error("worker %s failed: %s", w.id, e)
                     self._fail_worker(w, f"worker {w.id} failed: {e}")
+                self._tell(w, "revive")  # a dead process starts again (Ray restarts actors itself)
                 time.sleep(1.0)
                 continue
             w.polling_since = None
@@ -689,12 +703,13 @@ class Router:
                     for w in self._workers.values()}
 
     def serving(self) -> tuple[bool, str]:
-        """(can serve, "SERVING" | "DEGRADED: ..." | "UNAVAILABLE: ..."): every role a request
-        needs has a healthy worker; degraded when some worker is not."""
+        """(can serve, "SERVING" | "DEGRADED: ..." | "UNAVAILABLE: ..."): a request can be
+        served (pd mode: a healthy decode worker, which prefills itself while no prefill
+        worker is healthy; else a healthy colocated worker); degraded when some worker is not."""
         health = self.health()
         bad = ", ".join(f"{w} ({h['error']})" for w, h in sorted(health.items()) if not h["ok"])
-        missing = [ws[0].handle.role for ws in (self._entry, self._decode)
-                   if ws and not any(health[w.id]["ok"] for w in ws)]
+        needed = self._decode or self._entry
+        missing = [] if any(health[w.id]["ok"] for w in needed) else [needed[0].handle.role]
         if missing:
             return False, f"UNAVAILABLE: no healthy {' or '.join(missing)} worker; {bad}"
         return True, f"DEGRADED: {bad}" if bad else "SERVING"
