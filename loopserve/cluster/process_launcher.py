@@ -7,6 +7,7 @@ long poll never blocks another thread's submit or abort.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -15,6 +16,7 @@ import secrets
 import threading
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
 from typing import Any
 
 from loopserve.cluster.handle import WorkerHandle
@@ -71,6 +73,8 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
 
 def _worker_main(spec: WorkerSpec, ready: Connection, authkey: bytes, parent_pid: int) -> None:
     os.environ.update(spec.env)  # before torch / NIXL read them
+    with contextlib.suppress(OSError):  # ps / top show which worker this is (Linux)
+        Path("/proc/self/comm").write_text(spec.worker_id[:15])
     try:
         worker = worker_class(spec.role)(**spec.kwargs())
         # A deep backlog: with the default of 1, concurrent connects overflow the accept queue
