@@ -24,7 +24,7 @@ import pytest
 from loopserve.bench.workload import run_workload
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.placement import launch, stop_all
+from loopserve.cluster.placement import launch, plan, stop_all
 from loopserve.cluster.router import Router
 from loopserve.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, colocated_reference, greedy_items, until
@@ -104,10 +104,16 @@ def test_process_launcher_restarts_a_crashed_worker_and_migrates_its_streaming_r
 
 
 def test_ray_launcher_restarts_a_crashed_actor_by_default_and_migrates_its_streaming_request(ray_cluster):
+    from loopserve.cluster.ray_launcher import RayWorkerHandle
+
     config = _config("ray")
     assert config.max_restarts > 0  # the default: a crashed actor comes back
-    handles = launch(config)
+    # As launch() makes them, under ids of their own (the session's workers hold the names).
+    handles = [RayWorkerHandle(replace(s, worker_id=f"r{s.worker_id}"), config.max_restarts,
+                               config.ray.max_concurrency) for s in plan(config)]
     try:
+        for h in handles:
+            h.wait_ready(300)
         _scenario(handles)
     finally:
         stop_all(handles)
