@@ -16,7 +16,7 @@ router and both fronts) is reported at the start of the load and at the end.
 Exit status 1 on a lost request or a held block.
 
     python benchmarks/chaos.py --duration 300                      # the record (docs/reliability.md)
-    python benchmarks/chaos.py --duration 20 --fault-every 5 --launcher process   # the suite's short run
+    python benchmarks/chaos.py --duration 15 --fault-every 4 --launcher process --concurrency 8  # the suite's
 """
 
 from __future__ import annotations
