@@ -627,17 +627,23 @@ class Router:
             self._migrate(rid, error, {w.id})
 
     def _rejoin(self, w: _WorkerState) -> None:
+        """A failed worker answers healthy again (restarted): shake hands with the peers in
+        service (one still down does so itself when it rejoins), then route to it. On failure
+        it stays failed and the next poll tries again."""
+        try:
+            if w.handle.role == "prefill":
+                self._handshake([d for d in self._decode if d.routable], [w])
+            elif w.handle.role == "decode":
+                self._handshake([w], [p for p in self._entry if p.routable])
+            self._learn_keyers([w])
+        except Exception as e:  # noqa: BLE001 - stays failed until a later poll rejoins it
+            log.error("worker %s could not rejoin: %s", w.id, e)
+            with self._lock:
+                w.error = f"worker {w.id} could not rejoin: {e}"
+            return
         with self._lock:
             w.reset()
             w.failed, w.error = False, None
-        try:
-            if w.handle.role == "prefill":
-                self._handshake(self._decode, [w])
-            elif w.handle.role == "decode":
-                self._handshake([w], self._entry)
-            self._learn_keyers([w])
-        except Exception as e:  # noqa: BLE001 - stays unhealthy until the next successful poll
-            log.error("worker %s could not rejoin: %s", w.id, e)
 
     def _tell(self, w: _WorkerState, method: str, *args) -> None:
         """Best effort, on the worker's own threads (a dead one fails, a hung one waits)."""
