@@ -302,13 +302,13 @@ def test_stats_and_metrics_of_a_stopped_worker_answer_within_the_deadline_of_eac
     with _stopped(pd_workers["decode"][0]):
         with ThreadPoolExecutor(12) as pool:
             stats = list(pool.map(lambda _: timed_stats(), range(12)))
+        for took, st in stats:
+            assert took < 2 * deadline, [round(t, 1) for t, _ in stats]
+            assert "did not answer" in st[victim]["error"], st[victim]
+            assert all("kv" in s for w, s in st.items() if w != victim), st
         renders, results = asyncio.run(scrapes_and_requests())
-    for took, st in stats:
-        assert took < 2 * deadline, [t for t, _ in stats]
-        assert "did not answer" in st[victim]["error"], st[victim]
-        assert all("kv" in s for w, s in st.items() if w != victim), st
     for took, text in renders:
-        assert took < 2 * deadline, [t for t, _ in renders]
+        assert took < 2 * deadline, [round(t, 1) for t, _ in renders]
         healthy = [line for line in text.decode().splitlines()
                    if line.startswith("loopserve:worker_healthy{") and f'worker="{victim}"' in line]
         assert len(healthy) == 1 and healthy[0].endswith(" 0.0"), healthy
