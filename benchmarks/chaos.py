@@ -5,7 +5,8 @@ Clients (raw HTTP/1.1 over asyncio streams, no loopserve imports) mix: completio
 streamed and not; cancels (a stream closed after its first event); slow readers; slow
 writers (a body sent in pieces); bodies over the size limit (by Content-Length and chunked);
 malformed bodies (invalid JSON, bad fields, invalid UTF-8). One fault at a time: a random
-worker is frozen for a few seconds or killed (the launcher starts it again).
+worker is frozen for a few seconds or killed (the launcher starts it again), the next fault
+once every worker serves again.
 
 Every request must end accounted for: 200 with a complete answer (a stream ends with
 `[DONE]` and no error event), or a clear refusal (4xx or 503, with an OpenAI error body; a
@@ -177,7 +178,9 @@ def _body(rng: random.Random, chat: bool, stream: bool) -> dict:
     return {**common, "prompt": prompt, "n": rng.choice([1, 1, 2])}
 
 
-async def client(kind: str, port: int, rng: random.Random, timeout: float) -> str:
+async def client(kind: str, port: int, rng: random.Random, timeout: float,
+                 seen: list | None = None) -> str:
+    """One request of `kind`; its outcome. `seen` gets (status, the answer's first bytes)."""
     chat, stream = rng.random() < 0.4, rng.random() < 0.5
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = json.dumps(_body(rng, chat, stream)).encode()
@@ -203,6 +206,10 @@ async def client(kind: str, port: int, rng: random.Random, timeout: float) -> st
     try:
         status, data = await asyncio.wait_for(http(port, "POST", path, body, **kw), timeout)
     except TimeoutError:
+        status, data = None, b"(no answer within the request timeout)"
+    if seen is not None:
+        seen.append((status, data[-300:].decode(errors="replace")))
+    if status is None:
         return Outcome.LOST
     if kind in ("oversized", "malformed"):  # must be refused, never served
         return Outcome.REFUSED if status is not None and 400 <= status < 500 and b'"error"' in data \
@@ -214,7 +221,7 @@ KINDS = {"completion": 8, "cancel": 2, "slow_reader": 1, "slow_writer": 1, "over
 
 
 async def load(port: int, duration: float, concurrency: int, seed: int, timeout: float,
-               results: collections.Counter, lost: list) -> None:
+               results: collections.Counter, lost: list, statuses: collections.Counter) -> None:
     rng = random.Random(seed)
     end = time.monotonic() + duration
     kinds, weights = zip(*KINDS.items())
@@ -223,16 +230,20 @@ async def load(port: int, duration: float, concurrency: int, seed: int, timeout:
         r = random.Random(rng.random())
         while time.monotonic() < end:
             kind = r.choices(kinds, weights)[0]
-            outcome = await client(kind, port, r, timeout)
+            seen: list = []
+            outcome = await client(kind, port, r, timeout, seen)
             results[(kind, outcome)] += 1
+            statuses[seen[0][0] if seen else None] += 1
             if outcome == Outcome.LOST:
-                lost.append((round(time.monotonic() - end + duration, 1), kind))
+                lost.append((round(time.monotonic() - end + duration, 1), kind, *(seen[0] if seen else ())))
 
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
 
 
-async def faults(server_pid: int, duration: float, every: float, seed: int, log: list) -> None:
-    """One fault at a time: freeze a random worker for 2-6 s, or kill it."""
+async def faults(server_pid: int, grpc_port: int, duration: float, every: float, seed: int,
+                 log: list) -> None:
+    """One fault at a time: freeze a random worker for 2-6 s, or kill it; the next one only
+    once every worker is back in service (a killed one restarted)."""
     rng = random.Random(seed)
     end = time.monotonic() + duration
     while time.monotonic() + every < end:
@@ -255,15 +266,22 @@ async def faults(server_pid: int, duration: float, every: float, seed: int, log:
         else:
             os.kill(pid, signal.SIGKILL)
             log.append(("SIGKILL", role))
-            await asyncio.sleep(every * 0.5)  # let it come back before the next fault
+        back = time.monotonic() + 300
+        while time.monotonic() < back and await asyncio.to_thread(blocks_in_use, grpc_port) is None:
+            await asyncio.sleep(1)
 
 
 def blocks_in_use(grpc_port: int) -> dict[str, int] | None:
-    sys.path.insert(0, str(REPO))
+    """Blocks each worker holds (GetStats); None unless every worker answers healthy."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from loopserve.cluster.client import LoopServeClient
 
-    with LoopServeClient(f"127.0.0.1:{grpc_port}") as c:
-        stats = c.stats()
+    try:
+        with LoopServeClient(f"127.0.0.1:{grpc_port}") as c:
+            stats = c.stats()
+    except Exception:  # noqa: BLE001 - the server is busy or going: ask again
+        return None
     if not all(w.healthy for w in stats.workers):
         return None
     return {w.worker_id: w.looped.used + w.flat.used for w in stats.workers}
@@ -313,13 +331,15 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"expected 2 prefill and 2 decode worker processes, found {found}")
         rss_start = rss_mb(server.pid)
         results: collections.Counter = collections.Counter()
+        statuses: collections.Counter = collections.Counter()
         lost: list = []
         fault_log: list = []
 
         async def run() -> None:
             await asyncio.gather(
-                load(http_port, args.duration, args.concurrency, args.seed, args.request_timeout, results, lost),
-                faults(server.pid, args.duration, args.fault_every, args.seed + 1, fault_log))
+                load(http_port, args.duration, args.concurrency, args.seed, args.request_timeout, results,
+                     lost, statuses),
+                faults(server.pid, grpc_port, args.duration, args.fault_every, args.seed + 1, fault_log))
 
         t1 = time.monotonic()
         asyncio.run(run())
@@ -350,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "server_start_s": round(started_s, 1), "concurrency": args.concurrency,
         "requests": sum(results.values()), "ok": by_outcome[Outcome.OK],
         "refused_4xx_503": by_outcome[Outcome.REFUSED], "lost": by_outcome[Outcome.LOST],
-        "lost_detail": lost[:20], "by_kind": {f"{k}:{o}": n for (k, o), n in sorted(results.items())},
+        "lost_detail": lost[:20], "statuses": {str(k): n for k, n in sorted(statuses.items(), key=str)},
+        "by_kind": {f"{k}:{o}": n for (k, o), n in sorted(results.items())},
         "faults": fault_log, "blocks_after": held, "after_ok": after == Outcome.OK,
         "server_rss_mb": {"start": round(rss_start, 1), "end": round(rss_end, 1),
                           "growth": round(rss_end - rss_start, 1)},
