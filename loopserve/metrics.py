@@ -11,6 +11,8 @@ its registry, not prometheus_client's process-global one, so several routers in 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -148,13 +150,23 @@ class RequestRecord:
 
 class WorkerCollector(Collector):
     """Gauges and counters from every worker's stats() at scrape time (`stats` blocks on the
-    workers: render the registry off the event loop)."""
+    workers: render the registry off the event loop, or fetch them first: `given`)."""
 
     def __init__(self, stats: Callable[[], dict[str, dict]]) -> None:
         self._stats = stats
+        self._given = threading.local()  # stats fetched by this thread's caller (`given`)
+
+    @contextlib.contextmanager
+    def given(self, stats: dict[str, dict]) -> Iterator[None]:
+        """Render with `stats` already fetched (asynchronously) instead of calling the workers."""
+        self._given.stats = stats
+        try:
+            yield
+        finally:
+            self._given.stats = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        stats = getattr(self._given, "stats", None) or self._stats()
         labels = ["worker", "role"]
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:

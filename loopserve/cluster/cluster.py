@@ -19,13 +19,13 @@ class Cluster:
         self.config = config
         self.handles: list[WorkerHandle] = []
         self.router: Router | None = None
-        self._owns_ray = False
+        self._ray_head = None  # the private Ray head this cluster started, if any
 
     def start(self) -> Cluster:
         if self.config.launcher == "ray":
             from loopserve.cluster.ray_launcher import ensure_ray
 
-            self._owns_ray = ensure_ray(self.config.ray)
+            self._ray_head = ensure_ray(self.config.ray)
         try:
             self.handles = launch(self.config)
             entry = [h for h in self.handles if h.role in ("prefill", "colocated")]
@@ -51,11 +51,9 @@ class Cluster:
             self.router = None
         stop_all(self.handles)
         self.handles = []
-        if self._owns_ray:
-            import ray
-
-            ray.shutdown()
-            self._owns_ray = False
+        if self._ray_head is not None:
+            self._ray_head.stop()
+            self._ray_head = None
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -34,10 +34,10 @@ class WorkerGroup(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str | None = None  # None: RAY_ADDRESS if set (ray job submit), else a local cluster
+    # None: RAY_ADDRESS if set (ray job submit), else a private local cluster of this server
+    address: str | None = None
     num_cpus: int | None = Field(None, ge=1)  # local cluster only
     num_gpus: int | None = Field(None, ge=0)  # local cluster only
-    max_restarts: int = Field(0, ge=0)
     max_concurrency: int = Field(16, ge=2)  # long polls + submits + aborts at once
 
 
@@ -130,6 +130,9 @@ def _default_engine() -> EngineConfig:
 class ClusterConfig(_Strict):
     mode: Literal["pd", "colocated"] = "pd"
     launcher: Literal["ray", "process"] = "ray"
+    # Times a failed worker (dead, its engine failed, or silent past server.worker_fail_s) is
+    # started again: Ray restarts the actor, the process launcher starts a new process.
+    max_restarts: int = Field(3, ge=0)
     engine: EngineConfig = Field(default_factory=_default_engine)  # shared by every worker
     prefill: WorkerGroup = Field(default_factory=WorkerGroup)
     decode: WorkerGroup = Field(default_factory=WorkerGroup)

@@ -77,9 +77,14 @@ class WorkerHandle(ABC):
             self.kill()
 
     def restart(self) -> None:
-        """Replace a worker that reported itself failed (its engine is dead). Here: stop it
-        for good, so the router keeps it out; a launcher that can start it again overrides."""
+        """Replace a worker that reported itself failed (its engine is dead) or hangs. Here:
+        stop it for good, so the router keeps it out; a launcher that can start it again
+        overrides."""
         self.shutdown()
+
+    def revive(self) -> None:
+        """The worker stopped answering its connection (it died): start it again if the
+        launcher does not do so itself. Here: nothing."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_id!r}, role={self.role!r})"

@@ -15,9 +15,7 @@ from pathlib import Path
 import loopserve
 from loopserve.cluster.config import ClusterConfig
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.worker_spec import WorkerSpec
-
-START_TIMEOUT_S = 300.0  # model load + NIXL agent creation, on a busy machine
+from loopserve.cluster.worker_spec import START_TIMEOUT_S, WorkerSpec
 
 
 class PlacementError(ValueError):
@@ -115,13 +113,13 @@ def launch(config: ClusterConfig) -> list[WorkerHandle]:
         ensure_ray(config.ray)  # the caller may have connected already (then a no-op)
         check_fit(specs, ray_nodes())
         handles: list[WorkerHandle] = [
-            RayWorkerHandle(s, config.ray.max_restarts, config.ray.max_concurrency) for s in specs]
+            RayWorkerHandle(s, config.max_restarts, config.ray.max_concurrency) for s in specs]
     else:
         check_fit(specs, [local_node()], resources=("GPU",))  # processes share CPUs freely
         specs = pin_gpus(specs)
         from loopserve.cluster.process_launcher import ProcessWorkerHandle
 
-        handles = [ProcessWorkerHandle(s) for s in specs]
+        handles = [ProcessWorkerHandle(s, config.max_restarts) for s in specs]
     try:
         with ThreadPoolExecutor(len(handles)) as pool:
             list(pool.map(lambda h: h.wait_ready(START_TIMEOUT_S), handles))

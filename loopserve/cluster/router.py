@@ -40,7 +40,8 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
@@ -120,6 +121,11 @@ class _WorkerState:
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
         self.calls = ThreadPoolExecutor(4, f"to-{self.id}")
+        # Observability (stats) on a thread of its own, one call in flight that every caller
+        # shares: scrapes of a hung worker never take the threads submits and handoffs need,
+        # and never queue behind each other.
+        self.observer = ThreadPoolExecutor(1, f"stats-{self.id}")
+        self.stats_call: Future | None = None
         self.keyer: PrefixKeyer | None = None  # how its prefix cache keys blocks (None: off)
 
     @property
@@ -203,7 +209,8 @@ class Router:
         self._closed = False
         self._threads: list[threading.Thread] = []
         self.metrics = metrics or ServingMetrics()
-        self.metrics.add_collector(WorkerCollector(self.stats))
+        self._collector = WorkerCollector(self.stats)
+        self.metrics.add_collector(self._collector)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Router:
@@ -242,6 +249,7 @@ class Router:
             t.join(timeout=self.poll_s + self.deadline_s)
         for w in self._workers.values():
             w.calls.shutdown(wait=False, cancel_futures=True)
+            w.observer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -320,7 +328,7 @@ class Router:
                 raise NoWorkerError("no healthy decode worker")
             entry, local = self._local_prefill(routed), True
             if entry is None:
-                entry, local = self._pick_entry(prompt=routed), False
+                entry, local = self._pick_start(set(), routed)
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
                          StreamHistory(prompt, params), routed, decode=entry.id if local else None)
@@ -375,6 +383,19 @@ class Router:
         best = self._choose(healthy, cached, lambda w: (w.queue_depth, -w.free_blocks, w.sent))
         self.metrics.routed_cached_tokens.inc(cached.get(best.id, 0))
         return best
+
+    def _pick_start(self, avoid: set[str], prompt: _Prompt | None) -> tuple[_WorkerState, bool]:
+        """The worker to start (or continue) a request on, and whether it is a decode worker
+        prefilling it itself: in pd mode with no healthy prefill worker, a decode worker
+        serves the whole request (no KV transfer) rather than failing it."""
+        try:
+            return self._pick_entry(avoid, prompt), False
+        except NoWorkerError:
+            chosen = self._decode_for(prompt, avoid) if self._decode else None
+            if chosen is None:
+                raise
+            self.metrics.routed_cached_tokens.inc(chosen[1])
+            return chosen[0], True
 
     def _decode_for(self, prompt: _Prompt | None, avoid: set[str]) -> tuple[_WorkerState, int] | None:
         """The decode worker for a request, and how much of its prompt that worker holds."""
@@ -448,7 +469,7 @@ class Router:
                 why = "the router is closing"
             elif st.history.migrations < self.max_migrations:
                 try:
-                    entry = self._pick_entry(st.avoid, st.prompt)
+                    entry, local = self._pick_start(st.avoid, st.prompt)
                 except NoWorkerError as e:
                     why = str(e)
             if entry is None:
@@ -457,7 +478,7 @@ class Router:
             else:
                 prompt, params = st.history.continuation()
                 st.request_id = self._engine_id(st.client_id)
-                st.entry, st.decode, st.decoding = entry.id, None, False
+                st.entry, st.decode, st.decoding = entry.id, entry.id if local else None, False
                 self._streams[st.request_id] = st
                 self._live[st.client_id] = st.request_id
                 entry.note_sent(0)
@@ -493,6 +514,7 @@ class Router:
                 if not w.failed:
                     log.error("worker %s failed: %s", w.id, e)
                     self._fail_worker(w, f"worker {w.id} failed: {e}")
+                self._tell(w, "revive")  # a dead process starts again (Ray restarts actors itself)
                 time.sleep(1.0)
                 continue
             w.polling_since = None
@@ -606,17 +628,23 @@ class Router:
             self._migrate(rid, error, {w.id}, code)
 
     def _rejoin(self, w: _WorkerState) -> None:
+        """A failed worker answers healthy again (restarted): shake hands with the peers in
+        service (one still down does so itself when it rejoins), then route to it. On failure
+        it stays failed and the next poll tries again."""
+        try:
+            if w.handle.role == "prefill":
+                self._handshake([d for d in self._decode if d.routable], [w])
+            elif w.handle.role == "decode":
+                self._handshake([w], [p for p in self._entry if p.routable])
+            self._learn_keyers([w])
+        except Exception as e:  # noqa: BLE001 - stays failed until a later poll rejoins it
+            log.error("worker %s could not rejoin: %s", w.id, e)
+            with self._lock:
+                w.error = f"worker {w.id} could not rejoin: {e}"
+            return
         with self._lock:
             w.reset()
             w.failed, w.error = False, None
-        try:
-            if w.handle.role == "prefill":
-                self._handshake(self._decode, [w])
-            elif w.handle.role == "decode":
-                self._handshake([w], self._entry)
-            self._learn_keyers([w])
-        except Exception as e:  # noqa: BLE001 - stays unhealthy until the next successful poll
-            log.error("worker %s could not rejoin: %s", w.id, e)
 
     def _tell(self, w: _WorkerState, method: str, *args) -> None:
         """Best effort, on the worker's own threads (a dead one fails, a hung one waits)."""
@@ -639,10 +667,40 @@ class Router:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, dict]:
-        """Every worker's stats, each bounded by the deadline (blocking; call from a thread)."""
-        futures = {w.id: w.calls.submit(_safe, w.handle.stats, timeout=self.deadline_s)
-                   for w in self._workers.values()}
-        return {w.id: {"role": w.handle.role, **futures[w.id].result()} for w in self._workers.values()}
+        """Every worker's stats, within `deadline_s` of this call (blocking; call from a thread).
+        A worker that has not answered by then is reported as such."""
+        calls = self._stats_calls()
+        wait_futures(calls.values(), timeout=self.deadline_s)
+        return self._stats_of(calls)
+
+    async def stats_async(self) -> dict[str, dict]:
+        """`stats()` for an event loop: no thread is taken while the workers answer."""
+        calls = self._stats_calls()
+        waits = [asyncio.wrap_future(f) for f in calls.values()]
+        await asyncio.wait(waits, timeout=self.deadline_s)
+        return self._stats_of(calls)
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus text, its worker part within `deadline_s` of this call."""
+        stats = await self.stats_async()
+        with self._collector.given(stats):
+            return self.metrics.render()
+
+    def _stats_calls(self) -> dict[str, Future]:
+        """The stats call in flight to each worker, started if there is none."""
+        calls = {}
+        with self._lock:
+            for w in self._workers.values():
+                f = w.stats_call
+                if f is None or f.done():
+                    f = w.stats_call = w.observer.submit(_safe, w.handle.stats, timeout=self.deadline_s)
+                calls[w.id] = f
+        return calls
+
+    def _stats_of(self, calls: dict[str, Future]) -> dict[str, dict]:
+        silent = {"ok": False, "error": f"did not answer within {self.deadline_s:g} s of the call"}
+        return {w.id: {"role": w.handle.role, **(calls[w.id].result() if calls[w.id].done() else silent)}
+                for w in self._workers.values()}
 
     def health(self) -> dict[str, dict]:
         """Each worker as the router sees it (no call: answers whatever the workers do)."""
@@ -652,12 +710,13 @@ class Router:
                     for w in self._workers.values()}
 
     def serving(self) -> tuple[bool, str]:
-        """(can serve, "SERVING" | "DEGRADED: ..." | "UNAVAILABLE: ..."): every role a request
-        needs has a healthy worker; degraded when some worker is not."""
+        """(can serve, "SERVING" | "DEGRADED: ..." | "UNAVAILABLE: ..."): a request can be
+        served (pd mode: a healthy decode worker, which prefills itself while no prefill
+        worker is healthy; else a healthy colocated worker); degraded when some worker is not."""
         health = self.health()
         bad = ", ".join(f"{w} ({h['error']})" for w, h in sorted(health.items()) if not h["ok"])
-        missing = [ws[0].handle.role for ws in (self._entry, self._decode)
-                   if ws and not any(health[w.id]["ok"] for w in ws)]
+        needed = self._decode or self._entry
+        missing = [] if any(health[w.id]["ok"] for w in needed) else [needed[0].handle.role]
         if missing:
             return False, f"UNAVAILABLE: no healthy {' or '.join(missing)} worker; {bad}"
         return True, f"DEGRADED: {bad}" if bad else "SERVING"

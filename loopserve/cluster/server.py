@@ -81,7 +81,7 @@ class LoopServeServicer:
         return pb.HealthResponse(healthy=ok, status=status)
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await asyncio.to_thread(self.router.stats)
+        stats = await self.router.stats_async()  # within the deadline of this call, no thread
         return pb.StatsResponse(workers=[_worker_stats(w, s) for w, s in stats.items()])
 
 
@@ -156,7 +156,10 @@ class Server:
         token = self.config.auth_token
         self._server = grpc.aio.server(
             interceptors=[BearerTokenInterceptor(token.get_secret_value())] if token else [],
-            options=[("grpc.max_receive_message_length", self.config.limits.max_message_bytes)])
+            # so_reuseport 0: a second server on a bound port fails here (grpc's default lets
+            # both bind and splits the connections between them).
+            options=[("grpc.max_receive_message_length", self.config.limits.max_message_bytes),
+                     ("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers((_handlers(LoopServeServicer(self.router, self.config)),))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -164,12 +167,15 @@ class Server:
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self._server)
-        if self.config.tls:
-            bound = self._server.add_secure_port(f"{self.host}:{self.port}", _tls(self.config))
-        else:
-            bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        try:
+            if self.config.tls:
+                bound = self._server.add_secure_port(f"{self.host}:{self.port}", _tls(self.config))
+            else:
+                bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:  # grpc's "Failed to bind"
+            raise OSError(f"cannot bind the gRPC server to {self.host}:{self.port} (in use?): {e}") from None
         if bound == 0:
-            raise OSError(f"cannot bind the gRPC server to {self.host}:{self.port}")
+            raise OSError(f"cannot bind the gRPC server to {self.host}:{self.port} (in use?)")
         self.port = bound
         await self._server.start()
         await self._update_health()

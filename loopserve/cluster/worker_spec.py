@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+START_TIMEOUT_S = 300.0  # model load + NIXL agent creation, on a busy machine
+
 _CLASSES = {
     "colocated": "loopserve.worker_host.host:EngineHost",
     "prefill": "loopserve.prefill_worker.worker:PrefillWorker",

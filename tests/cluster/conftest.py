@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -47,12 +46,15 @@ def pd_config(**overrides):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """The product's private cluster (`ensure_ray` without an address)."""
     import ray
 
-    temp = tempfile.mkdtemp(prefix="lsr", dir="/tmp")  # short: Ray's socket paths have a limit
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    from loopserve.cluster.config import RayConfig
+    from loopserve.cluster.ray_launcher import ensure_ray
+
+    head = ensure_ray(RayConfig(num_cpus=6))
     yield ray
-    ray.shutdown()
+    head.stop()
 
 
 @pytest.fixture(scope="session")

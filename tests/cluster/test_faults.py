@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -267,6 +269,50 @@ def test_a_stopped_worker_is_routed_around_and_stalls_nothing(pd_workers, make_r
     until(lambda: router.health()[victim.worker_id]["ok"], 30, "resumed worker routable")
     again = greedy_items(6, seed=43, max_tokens=3)
     _check(again, asyncio.run(run_workload(router, again)))
+
+
+def test_stats_and_metrics_of_a_stopped_worker_answer_within_the_deadline_of_each_call(
+        pd_workers, make_router):
+    """Issue 38 finding 4: 12 concurrent stats calls (GetStats) and 12 concurrent /metrics
+    renders while a decode worker is frozen each answer within the deadline counted from the
+    call's own arrival (a 2x margin for a busy machine: the old 4 threads per worker answered
+    the last of 12 after 3 deadlines), reporting the frozen worker as silent and the others in
+    full; and requests sent meanwhile complete on the other decode worker while it is still
+    frozen (observability never takes the threads handoffs use)."""
+    deadline = 3.0
+    router = make_router(pd_workers["prefill"][:1], pd_workers["decode"], deadline_s=deadline, fail_s=600)
+    victim = pd_workers["decode"][0].worker_id
+    items = greedy_items(6, seed=45, max_tokens=4)
+
+    def timed_stats() -> tuple[float, dict]:
+        t0 = time.monotonic()
+        got = router.stats()
+        return time.monotonic() - t0, got
+
+    async def timed_render() -> tuple[float, bytes]:
+        t0 = time.monotonic()
+        text = await router.render_metrics()
+        return time.monotonic() - t0, text
+
+    async def scrapes_and_requests():
+        renders = [asyncio.create_task(timed_render()) for _ in range(12)]
+        results = await run_workload(router, items)
+        return await asyncio.gather(*renders), results
+
+    with _stopped(pd_workers["decode"][0]):
+        with ThreadPoolExecutor(12) as pool:
+            stats = list(pool.map(lambda _: timed_stats(), range(12)))
+        for took, st in stats:
+            assert took < 2 * deadline, [round(t, 1) for t, _ in stats]
+            assert "did not answer" in st[victim]["error"], st[victim]
+            assert all("kv" in s for w, s in st.items() if w != victim), st
+        renders, results = asyncio.run(scrapes_and_requests())
+    for took, text in renders:
+        assert took < 2 * deadline, [round(t, 1) for t, _ in renders]
+        healthy = [line for line in text.decode().splitlines()
+                   if line.startswith("loopserve:worker_healthy{") and f'worker="{victim}"' in line]
+        assert len(healthy) == 1 and healthy[0].endswith(" 0.0"), healthy
+    _check(items, results)
 
 
 def test_a_worker_silent_past_fail_s_is_failed_and_its_requests_migrate(fault_workers, make_router):

@@ -1,6 +1,7 @@
 """The local Ray cluster the product starts (as `ray_launcher` configures it, whoever imports
 ray next): a process without its token cannot join it and reach the workers' actors, and
-every socket it, its workers and their NIXL agents listen on is on loopback."""
+every socket it, its workers and their NIXL agents listen on is on loopback, none on a port a
+user's own Ray head takes by default."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cluster.sockets import LOOPBACK, RAY_DEFAULT_PORTS, listening_sockets
 
 ray = pytest.importorskip("ray")
 
@@ -45,44 +48,10 @@ def test_a_process_without_the_cluster_token_cannot_reach_the_workers(pd_workers
     assert joined.startswith("JOINED") and pd_workers["decode"][0].worker_id in joined, joined
 
 
-def _tree(pid: int) -> set[int]:
-    pids, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        pids.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            children = (task / "children").read_text().split() if (task / "children").exists() else []
-            todo.extend(int(c) for c in children if int(c) not in pids)
-    return pids
-
-
-def _listening() -> dict[int, str]:
-    """Socket inode -> local address of every TCP socket in LISTEN state on this machine."""
-    found = {}
-    for name, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":
-                found[int(fields[9])] = fields[1][:width]
-    return found
-
-
-# 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net writes them
-LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
-
-
 def test_every_listener_of_the_cluster_is_on_loopback(pd_workers):
-    listening = _listening()
-    sockets = []
-    for pid in _tree(os.getpid()):
-        try:
-            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-        except (FileNotFoundError, PermissionError):
-            continue
-        for link in links:
-            if link.startswith("socket:[") and int(link[8:-1]) in listening:
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                sockets.append((pid, comm, listening[int(link[8:-1])]))
-    assert len({pid for pid, _, _ in sockets}) >= 4, sockets  # gcs, raylet, the workers...
+    sockets = listening_sockets(os.getpid())
+    assert len({pid for pid, *_ in sockets}) >= 4, sockets  # gcs, raylet, the workers...
     exposed = [s for s in sockets if s[2] not in LOOPBACK]
     assert not exposed, exposed
+    # The ports a user's own `ray start --head` takes by default stay free for it.
+    assert not [s for s in sockets if s[3] in RAY_DEFAULT_PORTS], sockets

@@ -103,15 +103,34 @@ def _pools(engine: EngineCore) -> dict[str, torch.Tensor]:
     return {"looped": kv.looped, "flat": kv.flat}
 
 
-def run_pd(p: EngineCore, d: EngineCore, timeout_s: float = 60) -> PDRun:
+def _progress(engine: EngineCore) -> tuple[int, dict[str, RequestStatus]]:
+    """What changes whenever the engine moves: batches run, and each request's status."""
+    statuses = {rid: r.status for rid in engine.requests if (r := engine.scheduler.get_request(rid)) is not None}
+    return sum(engine.counters.batches.values()), statuses
+
+
+# Rounds of run_pd in a row without any progress before it gives up (each polls NIXL once).
+MAX_IDLE_ROUNDS = 20_000
+
+
+def run_pd(p: EngineCore, d: EngineCore, max_idle_rounds: int = MAX_IDLE_ROUNDS) -> PDRun:
     """Serve the requests added to prefill engine `p` through it and decode engine `d`,
-    moving every prompt's KV with a real NIXL READ (the loop the PD workers run)."""
-    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), p.config.block_size, p.kv_compat())
-    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), d.config.block_size, d.kv_compat())
+    moving every prompt's KV with a real NIXL READ (the loop the PD workers run, NIXL driven
+    by these polls as the workers' step loops drive it: no progress thread).
+
+    Bounded by progress, not time: it fails after `max_idle_rounds` rounds in a row in which
+    nothing moved (no batch, output, status change, READ done or notification), however slow
+    the machine."""
+    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), p.config.block_size, p.kv_compat(),
+                      progress_thread=False)
+    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), d.config.block_size, d.kv_compat(),
+                      progress_thread=False)
     dw.add_peer(pw.handshake_info())
     run = PDRun()
-    deadline = time.time() + timeout_s
-    while (p.has_unfinished() or d.has_unfinished()) and time.time() < deadline:
+    idle = 0
+    while (p.has_unfinished() or d.has_unfinished()) and idle < max_idle_rounds:
+        before = (sum(map(len, run.tokens.values())), _progress(p), _progress(d))
+        moved = 0
         for o in p.step():
             run.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         for rid in list(p.requests):
@@ -128,16 +147,22 @@ def run_pd(p: EngineCore, d: EngineCore, timeout_s: float = 60) -> PDRun:
         assert not failed
         for rid in done:
             d.kv_received(rid)
-        for rid in pw.poll_notifications()["read"]:
+        notes = pw.poll_notifications()
+        for rid in notes["read"]:
             p.transfer_done(rid)
+        moved += len(done) + sum(map(len, notes.values()))
         for o in d.step():
             run.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         for rid in list(d.requests):
             r = d.scheduler.get_request(rid)
             if r is not None and (not run.states_d.get(rid) or run.states_d[rid][-1] is not r.status):
                 run.states_d.setdefault(rid, []).append(r.status)
-        time.sleep(0.001)
-    assert not p.has_unfinished() and not d.has_unfinished(), "PD pipeline did not drain"
+        after = (sum(map(len, run.tokens.values())), _progress(p), _progress(d))
+        idle = 0 if moved or after != before else idle + 1
+        if idle:
+            time.sleep(0.0005)  # a READ in flight: give UCX's sockets a moment
+    assert not p.has_unfinished() and not d.has_unfinished(), \
+        f"PD pipeline did not drain: nothing moved for {max_idle_rounds} rounds"
     p.check_no_leaks()
     d.check_no_leaks()
     pw.close()

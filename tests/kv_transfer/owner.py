@@ -1,8 +1,8 @@
 """The prefill side of the NIXL tests, run in its own (spawned) process: it owns KV pools filled
 from a seed, answers the handshake and reports the notifications it receives.
 
-Commands over the pipe: ("notes", count, timeout_s) -> notifications once `count` ids arrived
-(or on timeout); ("restart", seed) -> a new agent under the same engine id, new data, its
+Commands over the pipe: ("notes", count, max_idle_polls) -> notifications once `count` ids
+arrived (or after that many polls in a row brought nothing: a bound by progress, not time); ("restart", seed) -> a new agent under the same engine id, new data, its
 handshake info; ("stop",).
 """
 
@@ -32,12 +32,14 @@ def serve(conn, engine_id: str, seed: int, device: str = "cpu") -> None:
     while True:
         cmd, *args = conn.recv()
         if cmd == "notes":
-            count, timeout_s = args
+            count, max_idle_polls = args
             notes = {k: [] for k in NOTIFY_KINDS}
-            end = time.monotonic() + timeout_s
-            while sum(map(len, notes.values())) < count and time.monotonic() < end:
-                for k, ids in worker.poll_notifications().items():
+            idle = 0
+            while sum(map(len, notes.values())) < count and idle < max_idle_polls:
+                got = worker.poll_notifications()
+                for k, ids in got.items():
                     notes[k] += ids
+                idle = 0 if any(got.values()) else idle + 1
                 time.sleep(0.002)
             conn.send(notes)
         elif cmd == "restart":

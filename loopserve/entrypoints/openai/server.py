@@ -140,7 +140,7 @@ def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await asyncio.to_thread(router.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(await router.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
