@@ -42,7 +42,7 @@ def _side_read(p: EngineCore, d: EngineCore, h, table) -> None:
 
 
 def _handoff(p: EngineCore):
-    rid, prompt, params = _work(1)[0]
+    rid, prompt, params = workload(1)[0]
     p.add_request(prompt, params, request_id=rid)
     while not (hs := p.take_handoffs()):
         p.step()

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 
-FP8_MAX: tl.constexpr = 448.0  # paged_kv.FP8_MAX
+FP8_MAX = tl.constexpr(448.0)  # paged_kv.FP8_MAX (a jit global must be a tl.constexpr object)
 
 
 @triton.jit
