@@ -100,7 +100,10 @@ class DecodeGraphs:
             forward(mb)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a capture (lazy, mid-serving) must not fail the CUDA calls other threads
+        # make meanwhile, such as UCX's stream syncs for a NIXL READ in flight (global mode did:
+        # 'operation not permitted when stream is capturing', and the worker died)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = forward(mb)
         return graph, out
 

@@ -97,8 +97,7 @@ class EngineCore:
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._handoffs: list[HandoffMessage] = []
         # A prefill engine hands its request over right after the CODA: nothing to overlap.
-        defer = config.defer_readback if config.defer_readback is not None else self.device.type == "cuda"
-        self._defer = defer and sc.role != "prefill"
+        self._defer = config.defer_readback and sc.role != "prefill"
         self._unread = UnreadSamples()
         self.error: str | None = None  # why the engine failed (see fail); None while it serves
 

@@ -29,7 +29,7 @@ def _run(engine: EngineCore, work) -> dict[str, list[int]]:
 
 
 def _engine(family: str, model, dtype: str, **kw) -> EngineCore:
-    """The GPU features on (whatever the defaults), `kw` over them."""
+    """The GPU features on (off by default until gpu_check passes), `kw` over them."""
     return EngineCore(EngineConfig(model=family, device="cuda", dtype=dtype, block_size=16,
                                    num_blocks=1024, max_model_len=128, **{**GPU_FEATURES, **kw}), model=model)
 
