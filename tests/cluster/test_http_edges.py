@@ -95,6 +95,25 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit_not_when_it_ends(ser
     assert _closed(sock)  # the rest of that body is never read
 
 
+def test_a_client_still_sending_when_refused_reads_the_413(server):
+    """The server half-closes and discards the rest for a moment (a lingering close) instead of
+    closing with unread bytes: a client that sends its whole body before it reads (most do)
+    neither fails its writes nor loses the answer to a reset."""
+    sock = _connect(server)
+    sock.sendall(_head("/v1/completions", {"Content-Type": "application/json",
+                                            "Transfer-Encoding": "chunked"}))
+    for _ in range(16 * LIMIT // 65536):  # well past the limit, unaware of the 413
+        sock.sendall(_chunk(b" " * 65536))
+    sock.sendall(b"0\r\n\r\n")
+    status, body = _response(sock)
+    assert status == 413, body
+
+
+def test_token_id_zero_is_a_prompt_like_any_other(server):
+    status, body = _post(server.url, json.dumps({"model": MODEL, "prompt": [0, 65, 0], "max_tokens": 1}).encode())
+    assert status == 200, body
+
+
 def test_health_answers_while_a_body_streams_in_and_the_body_is_then_served(server):
     sock = _connect(server)
     sock.sendall(_head("/v1/completions", {"Content-Type": "application/json",

@@ -114,8 +114,8 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, p: str | list) -> str | list:
-        if not p or (isinstance(p, list) and not all(p)):
-            raise ValueError("must not be empty")
+        if not p or (isinstance(p, list) and any(not isinstance(x, int) and not x for x in p)):
+            raise ValueError("must not be empty")  # the prompt, or one of a batch (token id 0 is fine)
         return p
 
     @field_validator("echo")

@@ -5,7 +5,9 @@ that sends its headers or its body a byte at a time keeps its socket (and its bu
 ever. Here a request's headers must be complete within `header_s` of the connection being
 ready for them (opened, or its previous response sent), and its body within `body_s` of its
 headers; else the connection is closed. A response sent before its request's body was read
-whole (401, 413, 404) closes the connection too: the rest of that body is never read.
+whole (401, 413, 404) closes the connection too: the rest of that body is never parsed, only
+discarded for `linger_s` after a half-close (a close with unread bytes sends a reset, which can
+destroy the answer before the client has read it: RFC 9112 section 9.6's lingering close).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 class BoundedH11Protocol(H11Protocol):
     header_s = 10.0
     body_s = 30.0
+    linger_s = 2.0
 
     @classmethod
     def with_deadlines(cls, header_s: float, body_s: float) -> type[BoundedH11Protocol]:
@@ -27,12 +30,17 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._lingering = False
         super().connection_made(transport)
         self._arm(self.header_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering:  # else the rest of an answered request's body: dropped
+            super().data_received(data)
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -46,10 +54,17 @@ class BoundedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         if self.conn.their_state is h11.SEND_BODY:  # answered before its body was read
-            self._close()
+            self._linger()
         else:
             self._arm(self.header_s)  # before uvicorn reads a pipelined request's headers
         super().on_response_complete()
+
+    def _linger(self) -> None:
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the answer, then FIN: the client reads it whole
+        self.transport.resume_reading()
+        self._arm(self.linger_s)
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
