@@ -48,14 +48,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# tiny-ouro-chains has no chat template of its own (chat would be a 400): the server gets this one
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
 def _config(launcher: str, path: Path) -> None:
+    template = path.with_name("chat.jinja")
+    template.write_text(CHAT_TEMPLATE)
     path.write_text(json.dumps({
         "mode": "pd", "launcher": launcher, "max_restarts": 10_000,
         "ray": {"num_cpus": 4},
         "prefill": {"num_workers": 2, "num_cpus": 0.5},
         "decode": {"num_workers": 2, "num_cpus": 0.5},
         "server": {"worker_deadline_s": 2.0, "worker_fail_s": 6.0, "max_migrations": 4,
-                   "limits": {"max_message_bytes": MAX_BODY}},
+                   "limits": {"max_message_bytes": MAX_BODY}, "chat_template": str(template)},
     }))  # JSON is YAML
 
 

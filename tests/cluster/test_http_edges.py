@@ -95,16 +95,19 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit_not_when_it_ends(ser
     assert _closed(sock)  # the rest of that body is never read
 
 
-def test_a_client_still_sending_when_refused_reads_the_413(server):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_client_still_sending_when_refused_reads_the_413(server, chunked):
     """The server half-closes and discards the rest for a moment (a lingering close) instead of
     closing with unread bytes: a client that sends its whole body before it reads (most do)
     neither fails its writes nor loses the answer to a reset."""
+    n = 16 * LIMIT // 65536  # well past the limit, unaware of the 413
     sock = _connect(server)
-    sock.sendall(_head("/v1/completions", {"Content-Type": "application/json",
-                                            "Transfer-Encoding": "chunked"}))
-    for _ in range(16 * LIMIT // 65536):  # well past the limit, unaware of the 413
-        sock.sendall(_chunk(b" " * 65536))
-    sock.sendall(b"0\r\n\r\n")
+    framing = {"Transfer-Encoding": "chunked"} if chunked else {"Content-Length": str(n * 65536)}
+    sock.sendall(_head("/v1/completions", {"Content-Type": "application/json", **framing}))
+    for _ in range(n):
+        sock.sendall(_chunk(b" " * 65536) if chunked else b" " * 65536)
+    if chunked:
+        sock.sendall(b"0\r\n\r\n")
     status, body = _response(sock)
     assert status == 413, body
 

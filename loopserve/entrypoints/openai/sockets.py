@@ -18,6 +18,27 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: a close while the request's body is still
+    arriving (h11 makes uvicorn close after an early answer) lingers instead."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedH11Protocol) -> None:
+        self._transport, self._protocol, self._closing = transport, protocol, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._protocol.conn.their_state is h11.SEND_BODY:
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+
 class BoundedH11Protocol(H11Protocol):
     header_s = 10.0
     body_s = 30.0
@@ -31,7 +52,8 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._lingering = False
-        super().connection_made(transport)
+        self._raw = transport
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         self._arm(self.header_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -60,10 +82,12 @@ class BoundedH11Protocol(H11Protocol):
         super().on_response_complete()
 
     def _linger(self) -> None:
+        if self._lingering or self._raw.is_closing():
+            return
         self._lingering = True
-        if self.transport.can_write_eof():
-            self.transport.write_eof()  # the answer, then FIN: the client reads it whole
-        self.transport.resume_reading()
+        if self._raw.can_write_eof():
+            self._raw.write_eof()  # the answer, then FIN: the client reads it whole
+        self._raw.resume_reading()
         self._arm(self.linger_s)
 
     def _arm(self, seconds: float) -> None:
@@ -77,5 +101,5 @@ class BoundedH11Protocol(H11Protocol):
 
     def _close(self) -> None:
         self._disarm()
-        if not self.transport.is_closing():
-            self.transport.close()  # connection_lost tells a running request it disconnected
+        if not self._raw.is_closing():
+            self._raw.close()  # connection_lost tells a running request it disconnected
