@@ -65,7 +65,7 @@ from loopserve.bench.rates import measure_rates, prefill_flops, weight_bytes_per
 from loopserve.bench.workload import RequestResult, greedy_divergence
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
 

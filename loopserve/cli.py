@@ -38,7 +38,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from loopserve.engine.sampling_params import SamplingParams
+    from loopserve.protocol.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.model.dense_reference import dense_forward
 
 TOP = 20

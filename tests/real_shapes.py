@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
 from loopserve.intmath import cdiv
 

@@ -27,7 +27,7 @@ import torch
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampler import DrawnTokens
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
 
 

@@ -115,7 +115,7 @@ class GrpcBackend:
         import grpc
 
         from loopserve.cluster.protocol import request_to_proto
-        from loopserve.engine.sampling_params import SamplingParams
+        from loopserve.protocol.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **self.extra)
         trace = RequestTrace(start=time.perf_counter())

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from loopserve.cluster.router import Router
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 WORDS = ("loop", "depth", "token", "prefill", "decode", "block", "cache", "state", "exit", "gate")
 

@@ -11,7 +11,7 @@ from loopserve.cluster.auth import BearerToken
 from loopserve.cluster.protocol import StreamEvent, event_from_response, request_to_proto
 from loopserve.cluster.proto import loopserve_pb2 as pb
 from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 class LoopServeClient:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from loopserve.cluster.limits import RequestLimits
+from loopserve.protocol.limits import RequestLimits
 from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import DEFAULT_MODEL, EngineConfig, given_scheduler_keys, merge_engine_data
 

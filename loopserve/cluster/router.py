@@ -47,27 +47,19 @@ from dataclasses import dataclass, field, replace
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.migration import StreamHistory
 from loopserve.cluster.prefix_index import PrefixIndex
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.handoff import HandoffMessage
-from loopserve.engine.prefix_keys import PrefixKeyer
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.metrics import ServingMetrics, WorkerCollector
-from loopserve.worker_host.events import WorkerLoad
-from loopserve.scheduler import QueueFullError
+from loopserve.protocol.events import WorkerLoad
 
 log = logging.getLogger(__name__)
 REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)
 # Requests (queued + running) a worker may have beyond the least loaded one and still be chosen
 # for holding the prompt's prefix: a cached prefix skips its prefill, a longer queue delays it.
 PREFIX_LOAD_SLACK = 4
-
-
-class NoWorkerError(RuntimeError):
-    """No healthy worker of the needed role."""
-
-
-class RequestIdInUseError(ValueError):
-    """A live request already has this client id (the server answers ALREADY_EXISTS)."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ from loopserve.scheduler.batch import (
     UpdateEvents,
 )
 from loopserve.scheduler.config import SchedulerConfig
-from loopserve.scheduler.errors import QueueFullError
+from loopserve.protocol.status import QueueFullError
 from loopserve.scheduler.policy import POLICIES, Plan
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan

@@ -29,7 +29,7 @@ from loopserve.cluster.config import load_cluster_config  # noqa: E402
 from loopserve.cluster.placement import launch, plan, stop_all  # noqa: E402
 from loopserve.cluster.router import Router  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
-from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
+from loopserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 # tiny-huginn has both pools (flat prelude/coda planes and looped planes): every plane moves.
 ENGINE = {"model": "tiny-huginn", "block_size": 4, "num_blocks": 1024, "max_model_len": 512,

@@ -8,7 +8,7 @@ import pytest
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.server import SERVICE
 from loopserve.bench.workload import WorkItem
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference, served_1p1d, until
 
 

@@ -13,7 +13,7 @@ from loopserve.cluster.prefix_index import PrefixIndex
 from loopserve.cluster.router import Router, _Prompt
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.kv_cache import CacheEvents
 from loopserve.worker_host import host as host_module
 from tests.cluster.conftest import ENGINE

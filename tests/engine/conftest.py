@@ -7,7 +7,7 @@ import pytest
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 from loopserve.model.dense_reference import dense_greedy_generate
 from loopserve.model.registry import resolve_model

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.handoff import HandoffMessage
+from loopserve.protocol.handoff import HandoffMessage
 from loopserve.engine.model_runner import KVFence
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
 from tests.engine.conftest import make_engine

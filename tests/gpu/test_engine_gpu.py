@@ -9,7 +9,7 @@ import torch
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
 from loopserve.model.registry import resolve_model
 from tests.engine.conftest import workload

@@ -12,7 +12,7 @@ import torch
 
 from loopserve.cli import main
 from loopserve.engine.llm import LLM
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.model.config import parse_config
 from loopserve.model.registry import build_model, resolve_model, save_model
 from loopserve.model.tokenizer import HFTokenizer

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictInt, ValidationInfo, field_validator
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_N = 128  # choices per prompt (server.limits.max_choices bounds prompts × n)

@@ -8,7 +8,7 @@ then comes first on every path (401 before routing, before the body is read), as
 is UNAUTHENTICATED without it. Bodies are read within server.limits.max_message_bytes
 whatever their framing (`body.py`); slow sockets are closed (`sockets.py`). Errors are OpenAI
 error objects naming the field: 400 bad input, 401, 404 unknown model or path, 413 body too
-large, and by the code table of `cluster/status.py`: 429 backpressure and 503 a lost or no
+large, and by the code table of `protocol/status.py`: 429 backpressure and 503 a lost or no
 healthy worker (both with Retry-After), 500 an engine fault.
 """
 

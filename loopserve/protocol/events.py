@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.handoff import HandoffMessage
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.handoff import HandoffMessage
 from loopserve.kv_cache import CacheEvents
 
 
