@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loopserve.cluster.auth import bearer
+from loopserve.entrypoints.auth import bearer
 from loopserve.cluster.config import ServerConfig
 from loopserve.cluster.router import Router
 from loopserve.engine.config import EngineConfig

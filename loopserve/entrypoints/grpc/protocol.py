@@ -11,7 +11,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from loopserve.cluster.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
 
