@@ -23,7 +23,7 @@ def _loaded(modules: list[str]) -> dict[str, bool]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-FRONTS = ["loopserve.cluster.router", "loopserve.entrypoints.grpc.server", "loopserve.entrypoints.openai.server"]
+FRONTS = ["loopserve.cluster.router.core", "loopserve.entrypoints.grpc.server", "loopserve.entrypoints.openai.server"]
 
 
 @pytest.mark.parametrize("module", ["loopserve.protocol." + p.stem for p in

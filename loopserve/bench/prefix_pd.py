@@ -80,7 +80,7 @@ def cluster_config(arm: Arm, args: argparse.Namespace) -> ClusterConfig:
     return load_cluster_config({
         "mode": "pd", "launcher": "process", "engine": engine,
         "prefill": {"num_workers": args.prefill_workers}, "decode": {"num_workers": args.decode_workers},
-        "server": {"prefix_routing": arm.prefix_routing, "local_prefill_tokens": arm.local_prefill_tokens}})
+        "server": {"routing": {"policy": "prefix_aware" if arm.prefix_routing else "least_loaded"}, "local_prefill_tokens": arm.local_prefill_tokens}})
 
 
 def run_arm(arm: Arm, warm: list[WorkItem], items: list[WorkItem], args: argparse.Namespace) -> ArmRun:

@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.protocol.sampling_params import SamplingParams
 
 WORDS = ("loop", "depth", "token", "prefill", "decode", "block", "cache", "state", "exit", "gate")

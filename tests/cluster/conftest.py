@@ -27,7 +27,7 @@ with contextlib.suppress(ImportError):  # without ray, its tests skip themselves
 from loopserve.cluster.cluster import wait_idle  # noqa: E402
 from loopserve.cluster.config import load_cluster_config  # noqa: E402
 from loopserve.cluster.placement import launch, plan, stop_all  # noqa: E402
-from loopserve.cluster.router import Router  # noqa: E402
+from loopserve.cluster.router.core import Router  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
 from loopserve.protocol.sampling_params import SamplingParams  # noqa: E402
 

@@ -24,7 +24,7 @@ import pytest
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.placement import plan, stop_all
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.protocol.status import NoWorkerError
 from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.protocol.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, http_serving, serving, until
 from tests.cluster.faulty import FAULT, break_engine

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loopserve.cluster.cluster import wait_idle
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.bench.workload import WorkItem
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.entrypoints.openai.chat_template import ChatTemplate

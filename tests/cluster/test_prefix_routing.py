@@ -9,8 +9,8 @@ import random
 import pytest
 
 from loopserve.cluster.placement import stop_all
-from loopserve.cluster.prefix_index import PrefixIndex
-from loopserve.cluster.router import Router, _Prompt
+from loopserve.cluster.router.prefix_index import PrefixIndex
+from loopserve.cluster.router.core import Router, _Prompt
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.protocol.sampling_params import SamplingParams

@@ -32,7 +32,7 @@ from loopserve.cluster.config import ServerConfig
 from loopserve.protocol.limits import check_limits
 from loopserve.entrypoints.grpc.protocol import parse, request_from_proto, responses_from_output
 from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.protocol.status import code_of
 
 log = logging.getLogger(__name__)

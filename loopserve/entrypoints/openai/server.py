@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loopserve.entrypoints.auth import bearer
 from loopserve.cluster.config import ServerConfig
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.engine.config import EngineConfig
 from loopserve.entrypoints.openai.body import read_request
 from loopserve.entrypoints.openai.chat_template import load_chat_template

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from loopserve.protocol.limits import RequestLimits, check_limits
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.protocol.status import Code
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
