@@ -114,7 +114,7 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, p: str | list) -> str | list:
-        if not p or (isinstance(p, list) and not all(p)):
+        if not p or (isinstance(p, list) and any(isinstance(x, (str, list)) and not x for x in p)):
             raise ValueError("must not be empty")
         return p
 
