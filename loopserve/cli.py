@@ -80,8 +80,8 @@ def _read(path: str | None) -> bytes | None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from loopserve.entrypoints.grpc.client import LoopServeClient
     from loopserve.cluster.config import AUTH_TOKEN_ENV
+    from loopserve.entrypoints.grpc.client import LoopServeClient
 
     import grpc
 

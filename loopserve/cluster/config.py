@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from loopserve.cluster.router.policy import RoutingPolicy, make_policy
-from loopserve.protocol.limits import RequestLimits
 from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import DEFAULT_MODEL, EngineConfig, given_scheduler_keys, merge_engine_data
+from loopserve.protocol.limits import RequestLimits
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 LOCAL_PREFILL_TOKENS = 0

@@ -15,9 +15,9 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
+from loopserve.protocol.sampling_params import SamplingParams
 
 _LOOP_KEYS = ("min_loops", "max_loops", "exit_threshold")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockHash, hash_blocks
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

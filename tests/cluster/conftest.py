@@ -140,8 +140,8 @@ def running(server):
 def serving(router, client_options: dict | None = None, **server_options):
     """A real gRPC server over `router` on a free port, in its own event loop; yields a client
     (made with `client_options`). `server_options` are ServerConfig fields."""
-    from loopserve.entrypoints.grpc.client import LoopServeClient
     from loopserve.cluster.config import ServerConfig
+    from loopserve.entrypoints.grpc.client import LoopServeClient
     from loopserve.entrypoints.grpc.server import Server
 
     with running(Server(router, ServerConfig(**{"port": 0, **server_options}))) as server:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from loopserve.bench.workload import WorkItem
 from loopserve.cluster.cluster import wait_idle
 from loopserve.entrypoints.grpc.server import SERVICE
-from loopserve.bench.workload import WorkItem
 from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference, served_1p1d, until
 

@@ -48,12 +48,12 @@ from loopserve.cluster.router.migration import StreamHistory
 from loopserve.cluster.router.policy import PrefixAware, RoutingPolicy, decode_load, entry_load
 from loopserve.cluster.router.prefix_index import PrefixIndex
 from loopserve.cluster.router.workers import WorkerState
-from loopserve.protocol.outputs import RequestOutput
-from loopserve.protocol.handoff import HandoffMessage
-from loopserve.protocol.prefix_keys import PrefixKeyer
-from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
-from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.metrics import ServingMetrics, WorkerCollector
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
 
 log = logging.getLogger(__name__)
 REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)

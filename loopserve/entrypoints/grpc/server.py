@@ -27,12 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from loopserve.entrypoints.auth import BearerTokenInterceptor
 from loopserve.cluster.config import ServerConfig
-from loopserve.protocol.limits import check_limits
-from loopserve.entrypoints.grpc.protocol import parse, request_from_proto, responses_from_output
-from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
 from loopserve.cluster.router.core import Router
+from loopserve.entrypoints.auth import BearerTokenInterceptor
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.protocol import parse, request_from_proto, responses_from_output
+from loopserve.protocol.limits import check_limits
 from loopserve.protocol.status import code_of
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from loopserve.cluster.router.core import Router
-from loopserve.protocol.status import RequestFailed
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import RequestFailed
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from loopserve.protocol.status import RETRY_AFTER_S, STATUS, Code, FieldError, code_of
 from loopserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from loopserve.protocol.status import RETRY_AFTER_S, STATUS, Code, FieldError, code_of
 
 # The JSON parser's nesting limit (pydantic-core's: deeper documents are refused by it).
 JSON_MAX_DEPTH = 200

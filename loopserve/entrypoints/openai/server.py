@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loopserve.entrypoints.auth import bearer
 from loopserve.cluster.config import ServerConfig
 from loopserve.cluster.router.core import Router
 from loopserve.engine.config import EngineConfig
+from loopserve.entrypoints.auth import bearer
 from loopserve.entrypoints.openai.body import read_request
 from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.errors import APIError

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from loopserve.protocol.limits import RequestLimits, check_limits
 from loopserve.cluster.router.core import Router
-from loopserve.protocol.status import Code
-from loopserve.protocol.outputs import RequestOutput
-from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.choices import ChoiceStreams, Job
 from loopserve.entrypoints.openai.errors import APIError, refusal
+from loopserve.protocol.limits import RequestLimits, check_limits
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import Code
 from loopserve.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
