@@ -457,12 +457,9 @@ class Router:
             time.sleep(period)
             now = time.monotonic()
             for w in self._workers.values():
-                since = w.polling_since
-                if since is not None and now - since > self.poll_s + self.deadline_s:
-                    self._missed(w, TimeoutError(f"no event poll answer for {now - since:.1f} s"))
-                silent = w.silent_since
-                if silent is not None and not w.failed and now - silent > self.fail_s:
-                    error = f"worker {w.id} did not answer for {now - silent:.1f} s"
+                if (late := w.poll_late(now, self.poll_s + self.deadline_s)) is not None:
+                    self._missed(w, late)
+                if (error := w.silent_too_long(now, self.fail_s)) is not None:
                     log.error("%s; failing it", error)
                     self._fail_worker(w, error)
                     self._tell(w, "restart")

@@ -46,6 +46,20 @@ class WorkerState:
             return f"unresponsive for {now - self.silent_since:.1f} s"
         return self.error or "unhealthy"
 
+    def poll_late(self, now: float, limit_s: float) -> TimeoutError | None:
+        """Its long poll has been out more than `limit_s` (the watchdog marks it unresponsive)."""
+        since = self.polling_since
+        if since is not None and now - since > limit_s:
+            return TimeoutError(f"no event poll answer for {now - since:.1f} s")
+        return None
+
+    def silent_too_long(self, now: float, fail_s: float) -> str | None:
+        """Unresponsive for more than `fail_s` and not failed yet: why to fail it now."""
+        silent = self.silent_since
+        if silent is not None and not self.failed and now - silent > fail_s:
+            return f"worker {self.id} did not answer for {now - silent:.1f} s"
+        return None
+
     def note_sent(self, blocks: int) -> None:
         self.sent += 1
         self.pending.append((self.sent, blocks))
