@@ -281,7 +281,7 @@ def blocks_in_use(grpc_port: int) -> dict[str, int] | None:
     """Blocks each worker holds (GetStats); None unless every worker answers healthy."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from loopserve.cluster.client import LoopServeClient
+    from loopserve.entrypoints.grpc.client import LoopServeClient
 
     try:
         with LoopServeClient(f"127.0.0.1:{grpc_port}") as c:
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("LOOPSERVE_AUTH_TOKEN", None)
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "loopserve.cluster.job", "--config", str(config),
+        server = subprocess.Popen([sys.executable, "-m", "loopserve.job", "--config", str(config),
                                    "--serve", "--port", str(grpc_port), "--http-port", str(http_port)],
                                   env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:

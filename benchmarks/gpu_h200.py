@@ -28,8 +28,8 @@ import torch
 from loopserve.bench.rates import device_time, measure_rates, prefill_flops, weight_bytes_per_token
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 def engine(model, name: str, **kw) -> EngineCore:

@@ -21,10 +21,10 @@ import torch
 
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.engine.request import Request
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable, KVLayout
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler import BatchItem, Operation, ScheduledBatch, WorkKey
 
 

@@ -49,8 +49,8 @@ from loopserve.bench.crossover import (
 )
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.worker_host.transfer_host import kv_pools
 
 GOAL = 0.8  # READ bandwidth / copy bandwidth

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from loopserve.bench.workload import WorkItem, make_workload, percentile
 from loopserve.cluster.cluster import Cluster
 from loopserve.cluster.config import load_cluster_config
-from loopserve.cluster.protocol import request_to_proto
-from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
-from loopserve.cluster.server import Server
-from loopserve.bench.workload import WorkItem, make_workload, percentile
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.proto import loopserve_pb2_grpc as pb_grpc
+from loopserve.entrypoints.grpc.protocol import request_to_proto
+from loopserve.entrypoints.grpc.server import Server
 
 IDLE_TIMEOUT_S = 60.0
 

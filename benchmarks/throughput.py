@@ -65,9 +65,9 @@ from loopserve.bench.rates import measure_rates, prefill_flops, weight_bytes_per
 from loopserve.bench.workload import RequestResult, greedy_divergence
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 
 TOP_LOGPROBS = 20  # the most SamplingParams allows: a near-tie's gap needs the other token in it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

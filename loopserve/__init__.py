@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from loopserve.engine.sampling_params import SamplingParams
+        from loopserve.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -16,7 +16,7 @@ from loopserve.cluster.config import SERVER_FLAGS, add_server_args
 from loopserve.engine.config import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from loopserve.cluster.protocol import StreamEvent
+    from loopserve.entrypoints.grpc.protocol import StreamEvent
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from loopserve.engine.sampling_params import SamplingParams
+    from loopserve.protocol.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from loopserve.cluster.job import main as job_main
+    from loopserve.job import main as job_main
 
     argv = ["--serve"] + (["--config", args.config] if args.config else [])
     argv += [f"--{k.replace('_', '-')}={v}" for k in ("duration", *SERVER_FLAGS)
@@ -80,8 +80,8 @@ def _read(path: str | None) -> bytes | None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from loopserve.cluster.client import LoopServeClient
     from loopserve.cluster.config import AUTH_TOKEN_ENV
+    from loopserve.entrypoints.grpc.client import LoopServeClient
 
     import grpc
 

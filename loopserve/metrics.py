@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loopserve.engine.outputs import RequestOutput
+from loopserve.protocol.outputs import RequestOutput
 
 PREFIX = "loopserve:"
 # vLLM's buckets for the same histograms.

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.dense_reference import dense_forward
+from loopserve.protocol.sampling_params import SamplingParams
 
 TOP = 20
 

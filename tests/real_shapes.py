@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
 from loopserve.intmath import cdiv
+from loopserve.protocol.sampling_params import SamplingParams
 
 SLAB_ROWS = inspect.signature(StateStore.__init__).parameters["capacity"].default
 DEFAULTS = EngineConfig()

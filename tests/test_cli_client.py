@@ -17,7 +17,7 @@ import pytest
 
 from loopserve.cli import main
 from loopserve.cluster.config import ClusterConfig
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.engine.config import DEFAULT_MODEL, EngineConfig
 from tests.cluster.conftest import http_serving, serving
 from tests.cluster.inprocess import InProcessHandle

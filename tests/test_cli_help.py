@@ -1,5 +1,5 @@
 """`--help` of every command line (`loopserve` and each subcommand, `python -m
-loopserve.cluster.job`) describes every flag and shows its default where the default is a
+loopserve.job`) describes every flag and shows its default where the default is a
 value (a None default is "not set": the help says what that means where it matters)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from loopserve.cli import build_parser
-from loopserve.cluster.job import build_parser as job_parser
+from loopserve.job import build_parser as job_parser
 
 
 def _commands(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
@@ -21,13 +21,13 @@ def _commands(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, arg
     return found
 
 
-COMMANDS = _commands(build_parser(), "loopserve") + [("python -m loopserve.cluster.job", job_parser())]
+COMMANDS = _commands(build_parser(), "loopserve") + [("python -m loopserve.job", job_parser())]
 
 
 def test_every_subcommand_is_walked():
     assert {n for n, _ in COMMANDS} == {"loopserve", "loopserve generate", "loopserve serve",
                                         "loopserve client", "loopserve bench", "loopserve bench serve",
-                                        "python -m loopserve.cluster.job"}
+                                        "python -m loopserve.job"}
 
 
 @pytest.mark.parametrize("name,parser", COMMANDS, ids=[n for n, _ in COMMANDS])

@@ -1,10 +1,11 @@
 """The package layering docs/design.md states, checked on the source (ast: nothing is imported).
 
-Edges are module-level imports only: statements in a module's body, including those under a
-module-level `if` / `try`, but not under `if TYPE_CHECKING:` and not inside functions or
-classes (a deferred import runs after every module is loaded, so it cannot form a load-time
-cycle). `from pkg import name` is an edge to `pkg.name` when that is a module, else to
-`pkg` (its `__init__`), whose own re-exports are edges to their targets.
+Edges are every import statement, wherever it stands: in a module's body, under an `if` /
+`try`, and inside functions and classes (a deferred import is a dependency all the same),
+but not under `if TYPE_CHECKING:` (annotations only). `from pkg import name` is an edge to
+`pkg.name` when that is a module, else to `pkg` (its `__init__`), whose own re-exports are
+edges to their targets. docs/design.md's layering table is this graph at package level
+(`test_the_layering_table_is_the_graph`).
 """
 
 from __future__ import annotations
@@ -30,19 +31,13 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
-    found: list[ast.Import | ast.ImportFrom] = []
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                found += _module_level(node.body)
-            found += _module_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                found += _module_level(block)
-    return found
+def _imports(node: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node`, except in `if TYPE_CHECKING:` blocks."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [node]
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+        return [i for child in node.orelse for i in _imports(child)]
+    return [i for child in ast.iter_child_nodes(node) for i in _imports(child)]
 
 
 def _targets(name: str, node: ast.Import | ast.ImportFrom) -> set[str]:
@@ -61,7 +56,7 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text(), str(path))
-        graph[name] = {t for node in _module_level(tree.body) for t in _targets(name, node)
+        graph[name] = {t for node in _imports(tree) for t in _targets(name, node)
                        if t in MODULES and t != name}
     return graph
 
@@ -87,6 +82,7 @@ def test_the_graph_sees_the_packages():
             "loopserve.decode_worker.worker", "loopserve.prefill_worker.worker"} <= set(GRAPH)
     assert "loopserve.worker_host.transfer_host" in GRAPH["loopserve.prefill_worker.worker"]
     assert "loopserve.scheduler.scheduler" in GRAPH["loopserve.scheduler"]  # an __init__ re-export
+    assert "loopserve.cluster.ray_launcher" in GRAPH["loopserve.cluster.placement"]  # inside a function
 
 
 def test_worker_packages_do_not_import_each_other():
@@ -113,13 +109,37 @@ def test_model_imports_neither_scheduler_nor_engine():
 
 def test_scheduler_invariants_import_one_way():
     """The checker reads the scheduler (its public view); nothing in loopserve/ imports the
-    checker, at module level or deferred (tests call it)."""
+    checker (tests call it)."""
     assert "loopserve.scheduler.scheduler" in GRAPH["loopserve.scheduler.invariants"]
     checker = "loopserve.scheduler.invariants"
-    deferred = sorted(m for m, path in MODULES.items() if m != checker
-                      for node in ast.walk(ast.parse(path.read_text(), str(path)))
-                      if isinstance(node, (ast.Import, ast.ImportFrom)) and checker in _targets(m, node))
-    assert _offending("loopserve", (checker,)) == [] and deferred == []
+    assert _offending("loopserve", (checker,)) == []
+
+
+def _package(module: str) -> str:
+    """`loopserve.cluster.router.core` -> `cluster`; the package's own `__init__` -> `loopserve`."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _layering_table() -> dict[str, set[str]]:
+    """docs/design.md's layering table: each row's packages -> what they import."""
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    rows = text.split("| package | imports |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    table: dict[str, set[str]] = {}
+    for row in rows.splitlines():
+        packages, imports = (cell.split("`")[1::2] for cell in row.strip("|").split("|"))
+        for p in packages:
+            table[p] = set(imports)
+    return table
+
+
+def test_the_layering_table_is_the_graph():
+    graph: dict[str, set[str]] = {_package(m): set() for m in GRAPH}
+    for m, deps in GRAPH.items():
+        graph[_package(m)] |= {_package(t) for t in deps} - {_package(m)}
+    table = _layering_table()
+    assert sorted(table) == sorted(graph), "design.md's layering table lists other packages"
+    wrong = {p: f"table {sorted(table[p])}, code {sorted(graph[p])}" for p in graph if table[p] != graph[p]}
+    assert wrong == {}
 
 
 def test_no_import_cycle():

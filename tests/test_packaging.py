@@ -16,8 +16,8 @@ from importlib.resources import files
 
 import loopserve
 from loopserve.engine.llm import LLM
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.config import load_model_config
+from loopserve.protocol.sampling_params import SamplingParams
 
 assert loopserve.__file__.startswith(sys.argv[1]), loopserve.__file__
 cfg = load_model_config("tiny-ouro")

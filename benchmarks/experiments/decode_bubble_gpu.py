@@ -27,8 +27,8 @@ import torch
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.sampler import DrawnTokens
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 def med(xs: list[float]) -> float:

@@ -19,9 +19,9 @@ import time
 import torch
 
 from benchmarks.gpu_h200 import engine
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.attention import triton_backend
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 def unfuse_rope() -> None:

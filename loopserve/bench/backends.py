@@ -103,8 +103,8 @@ class GrpcBackend:
     def __init__(self, address: str, token: str | None, extra: dict) -> None:
         import grpc
 
-        from loopserve.cluster.auth import HEADER, bearer
-        from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
+        from loopserve.entrypoints.auth import HEADER, bearer
+        from loopserve.entrypoints.grpc.proto import loopserve_pb2_grpc as pb_grpc
 
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.LoopServeStub(self.channel)
@@ -114,8 +114,8 @@ class GrpcBackend:
     async def send(self, req: BenchRequest) -> RequestTrace:
         import grpc
 
-        from loopserve.cluster.protocol import request_to_proto
-        from loopserve.engine.sampling_params import SamplingParams
+        from loopserve.entrypoints.grpc.protocol import request_to_proto
+        from loopserve.protocol.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **self.extra)
         trace = RequestTrace(start=time.perf_counter())

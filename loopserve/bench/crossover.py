@@ -43,9 +43,9 @@ import yaml
 from loopserve.cluster.config import ClusterConfig, load_cluster_config
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.handoff import HandoffMessage
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.worker_host.host import POLL_WAIT_S
 from loopserve.worker_host.transfer_host import kv_pools
 

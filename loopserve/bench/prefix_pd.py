@@ -19,7 +19,7 @@ from loopserve.bench.pd_compare import TOP_LOGPROBS, same_greedy_tokens, warm_up
 from loopserve.bench.workload import RequestResult, WorkItem, run_workload, summarize
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import ClusterConfig, load_cluster_config
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "throughput_tok_s")
 PROMPT_VOCAB = 256  # token ids below it: valid for every model's vocabulary
@@ -80,7 +80,7 @@ def cluster_config(arm: Arm, args: argparse.Namespace) -> ClusterConfig:
     return load_cluster_config({
         "mode": "pd", "launcher": "process", "engine": engine,
         "prefill": {"num_workers": args.prefill_workers}, "decode": {"num_workers": args.decode_workers},
-        "server": {"prefix_routing": arm.prefix_routing, "local_prefill_tokens": arm.local_prefill_tokens}})
+        "server": {"routing": {"policy": "prefix_aware" if arm.prefix_routing else "least_loaded"}, "local_prefill_tokens": arm.local_prefill_tokens}})
 
 
 def run_arm(arm: Arm, warm: list[WorkItem], items: list[WorkItem], args: argparse.Namespace) -> ArmRun:

@@ -12,8 +12,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from loopserve.cluster.router import Router
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
+from loopserve.protocol.sampling_params import SamplingParams
 
 WORDS = ("loop", "depth", "token", "prefill", "decode", "block", "cache", "state", "exit", "gate")
 

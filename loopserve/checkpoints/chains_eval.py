@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loopserve.checkpoints.chains import MAX_DEPTH, Problem
 from loopserve.engine.llm import LLM
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

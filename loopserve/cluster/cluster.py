@@ -8,7 +8,7 @@ import time
 from loopserve.cluster.config import ClusterConfig
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.placement import launch, stop_all
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Cluster:
                                  max_migrations=server.max_migrations,
                                  deadline_s=server.worker_deadline_s,
                                  fail_s=server.worker_fail_s, tokenize=tokenizer.encode,
-                                 prefix_routing=server.prefix_routing,
+                                 policy=server.routing.build(),
                                  local_prefill_tokens=server.local_prefill_tokens).start()
         except BaseException:
             self.stop()

@@ -13,9 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from loopserve.cluster.limits import RequestLimits
+from loopserve.cluster.router.policy import RoutingPolicy, make_policy
 from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import DEFAULT_MODEL, EngineConfig, given_scheduler_keys, merge_engine_data
+from loopserve.protocol.limits import RequestLimits
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
 LOCAL_PREFILL_TOKENS = 0
@@ -57,6 +58,19 @@ class TransferConfig(_Strict):
         return self
 
 
+class RoutingConfig(_Strict):
+    policy: str = "prefix_aware"
+    params: dict[str, int | float | str | bool] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> RoutingConfig:
+        self.build()  # ValueError names the unknown policy or parameter
+        return self
+
+    def build(self) -> RoutingPolicy:
+        return make_policy(self.policy, self.params)
+
+
 def _env_token() -> SecretStr | None:
     token = os.environ.get(AUTH_TOKEN_ENV)
     return SecretStr(token) if token else None
@@ -68,9 +82,10 @@ class ServerConfig(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     poll_s: float = Field(0.2, gt=0)  # long-poll period of the router's pumps
     max_migrations: int = Field(2, ge=0)  # times a request may move after a worker failure
-    # Send a request where the workers' prefix caches (as their KV events report) hold the
-    # longest part of its prompt, among workers near the least loaded.
-    prefix_routing: bool = True
+    # Which worker gets a request: a policy of cluster/router/policy.py by name, with its
+    # fields (prefix_aware: where the workers' prefix caches hold the longest part of the
+    # prompt, among workers near the least loaded; least_loaded: by load alone).
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     # pd mode: a request whose uncached prompt is shorter than this many tokens is prefilled on
     # its decode worker, with no KV transfer; 0: every request is disaggregated. The default
     # is the measured crossover of prefill and transfer time (docs/benchmarks.md).

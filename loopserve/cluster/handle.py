@@ -12,10 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from loopserve.engine.handoff import HandoffMessage
-from loopserve.engine.prefix_keys import PrefixKeyer
-from loopserve.engine.sampling_params import SamplingParams
-from loopserve.worker_host.events import WorkerEvents
+from loopserve.protocol.events import WorkerEvents
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 class WorkerHandle(ABC):

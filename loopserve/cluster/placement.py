@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-import loopserve
 from loopserve.cluster.config import ClusterConfig
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.worker_spec import START_TIMEOUT_S, WorkerSpec
@@ -29,7 +28,7 @@ def worker_env(config: ClusterConfig) -> dict[str, str]:
     env = {}
     existing_ray = config.launcher == "ray" and (config.ray.address or os.environ.get("RAY_ADDRESS"))
     if not existing_ray:
-        here = str(Path(loopserve.__file__).resolve().parents[1])
+        here = str(Path(__file__).resolve().parents[2])  # the directory holding loopserve/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     if config.mode == "pd" and all(config.engine_config(r).device == "cpu" for r in config.roles()):
         env.update({"UCX_TLS": os.environ.get("UCX_TLS", "tcp,cma"),

@@ -22,9 +22,9 @@ import logging
 import time
 from collections import deque
 
-from loopserve.engine.outputs import RequestOutput
 from loopserve.kv_transfer.leases import ReceiveTracker
-from loopserve.engine.handoff import HandoffMessage
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.outputs import RequestOutput
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)

@@ -14,18 +14,18 @@ import torch
 
 from loopserve.engine import handoff
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.handoff import HandoffMessage
+from loopserve.protocol.handoff import HandoffMessage
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.intmath import cdiv
 from loopserve.model.layers import fuse_elementwise
 from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.engine.counters import EngineCounters
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.prefix_keys import PrefixKeyer
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import draw_tokens
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.registry import resolve_model
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file

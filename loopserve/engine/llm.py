@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import EngineConfig, merge_engine_data
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.outputs import CompletionOutput, RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.outputs import CompletionOutput, RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 def make_config(config: EngineConfig | dict | str | Path | None = None, **overrides) -> EngineConfig:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from loopserve.engine.outputs import RequestOutput
+from loopserve.protocol.outputs import RequestOutput
 from loopserve.engine.sampler import Sample
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass

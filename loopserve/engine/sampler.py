@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 _MASK63 = (1 << 63) - 1
 

@@ -7,8 +7,8 @@ import asyncio
 import signal
 
 from loopserve.cluster.config import ClusterConfig
-from loopserve.cluster.router import Router
-from loopserve.cluster.server import Server
+from loopserve.cluster.router.core import Router
+from loopserve.entrypoints.grpc.server import Server
 from loopserve.entrypoints.openai.server import HttpServer
 
 

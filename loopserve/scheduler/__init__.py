@@ -9,13 +9,13 @@ from loopserve.scheduler.batch import (
     UpdateEvents,
 )
 from loopserve.scheduler.config import SchedulerConfig, SpeculativeConfig
-from loopserve.scheduler.errors import DuplicateSelectionError, QueueFullError
+from loopserve.scheduler.errors import DuplicateSelectionError
 from loopserve.scheduler.request import RequestState, SchedRequest
 from loopserve.scheduler.scheduler import Scheduler
 from loopserve.scheduler.types import Operation, RequestStatus, WorkKey
 
 __all__ = [
     "BatchItem", "BatchResult", "DuplicateSelectionError", "ItemResult", "Operation",
-    "QueueFullError", "RequestState", "RequestStatus", "ScheduledBatch", "Scheduler",
+    "RequestState", "RequestStatus", "ScheduledBatch", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedRequest", "SpeculativeConfig", "UpdateEvents", "WorkKey",
 ]

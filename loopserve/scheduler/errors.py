@@ -1,10 +1,7 @@
-"""Errors the scheduler raises on purpose (bad input raises ValueError naming the field)."""
+"""Errors the scheduler raises on purpose (bad input raises ValueError naming the field;
+backpressure raises `protocol.status.QueueFullError`, which the fronts map to a status)."""
 
 from __future__ import annotations
-
-
-class QueueFullError(RuntimeError):
-    """Backpressure: the waiting queue holds max_waiting requests; retry later or elsewhere."""
 
 
 class DuplicateSelectionError(RuntimeError):

@@ -24,8 +24,8 @@ from loopserve.scheduler.batch import (
     SchedulerOutput,
     UpdateEvents,
 )
+from loopserve.protocol.status import QueueFullError
 from loopserve.scheduler.config import SchedulerConfig
-from loopserve.scheduler.errors import QueueFullError
 from loopserve.scheduler.policy import POLICIES, Plan
 from loopserve.scheduler.preemption import plan_victims
 from loopserve.scheduler.progress import AFTER, WORK_KEY, Outcome, begin_unit, check_result, plan

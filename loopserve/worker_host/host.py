@@ -15,13 +15,13 @@ import threading
 
 from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
-from loopserve.engine.handoff import HandoffMessage
-from loopserve.engine.prefix_keys import PrefixKeyer
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.kv_cache import CacheEvents
 from loopserve.worker_host.engine_lock import EngineLock
-from loopserve.worker_host.events import WorkerEvents, WorkerLoad
+from loopserve.protocol.events import WorkerEvents, WorkerLoad
 from loopserve.worker_host.records import RecentIds, StatusTraces
 
 log = logging.getLogger(__name__)

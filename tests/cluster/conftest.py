@@ -27,9 +27,9 @@ with contextlib.suppress(ImportError):  # without ray, its tests skip themselves
 from loopserve.cluster.cluster import wait_idle  # noqa: E402
 from loopserve.cluster.config import load_cluster_config  # noqa: E402
 from loopserve.cluster.placement import launch, plan, stop_all  # noqa: E402
-from loopserve.cluster.router import Router  # noqa: E402
+from loopserve.cluster.router.core import Router  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
-from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
+from loopserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 # tiny-huginn has both pools (flat prelude/coda planes and looped planes): every plane moves.
 ENGINE = {"model": "tiny-huginn", "block_size": 4, "num_blocks": 1024, "max_model_len": 512,
@@ -140,9 +140,9 @@ def running(server):
 def serving(router, client_options: dict | None = None, **server_options):
     """A real gRPC server over `router` on a free port, in its own event loop; yields a client
     (made with `client_options`). `server_options` are ServerConfig fields."""
-    from loopserve.cluster.client import LoopServeClient
     from loopserve.cluster.config import ServerConfig
-    from loopserve.cluster.server import Server
+    from loopserve.entrypoints.grpc.client import LoopServeClient
+    from loopserve.entrypoints.grpc.server import Server
 
     with running(Server(router, ServerConfig(**{"port": 0, **server_options}))) as server:
         client = LoopServeClient(server.address, **(client_options or {}))

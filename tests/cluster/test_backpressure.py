@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, serving, until
 from tests.cluster.inprocess import InProcessHandle
 

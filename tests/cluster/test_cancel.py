@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import served_1p1d, until
 
 LONG = SamplingParams(max_tokens=100, ignore_eos=True, max_loops=2)

@@ -87,7 +87,7 @@ def test_impossible_placement_fails_at_start_on_ray(ray_cluster):
 def test_job_entry_point_reports_bad_config(tmp_path):
     bad = tmp_path / "typo.yaml"
     bad.write_text("decode: {num_cpu: 1}\n")
-    r = subprocess.run([sys.executable, "-m", "loopserve.cluster.job", "--config", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "loopserve.job", "--config", str(bad)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "decode.num_cpu: unknown key" in r.stderr

@@ -21,12 +21,13 @@ from dataclasses import replace
 
 import pytest
 
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.placement import plan, stop_all
-from loopserve.cluster.router import NoWorkerError, Router
-from loopserve.bench.workload import WorkItem, run_workload
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import NoWorkerError
 from tests.cluster.conftest import ENGINE, FAULT_TRANSFER, colocated_reference, greedy_items, until
 from tests.cluster.faulty import FAULT, FaultyHost, break_engine, fault_class
 from tests.cluster.inprocess import InProcessHandle

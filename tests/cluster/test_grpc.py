@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from loopserve.cluster.cluster import wait_idle
-from loopserve.cluster.server import SERVICE
 from loopserve.bench.workload import WorkItem
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.cluster import wait_idle
+from loopserve.entrypoints.grpc.server import SERVICE
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference, served_1p1d, until
 
 
@@ -117,7 +117,7 @@ def test_bad_request_is_invalid_argument(served, prompt, params, field):
     (lambda r: r.ClearField("prompt"), "prompt"),
 ])
 def test_malformed_message_names_the_field(served, mutate, field):
-    from loopserve.cluster.protocol import request_to_proto
+    from loopserve.entrypoints.grpc.protocol import request_to_proto
 
     client, _, _ = served
     req = request_to_proto("hi", SamplingParams(max_tokens=4))

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from loopserve.cluster.server import SERVICE
+from loopserve.entrypoints.grpc.server import SERVICE
 from tests.cluster.conftest import serving
 
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loopserve.cluster.client import LoopServeClient
 from loopserve.cluster.config import AUTH_TOKEN_ENV, ServerConfig
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.entrypoints.grpc.client import LoopServeClient
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.certs import self_signed
 from tests.cluster.conftest import serving
 

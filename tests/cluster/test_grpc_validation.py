@@ -18,7 +18,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import given, settings, strategies as st
 
-from loopserve.cluster.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
 from tests.cluster.conftest import ENGINE, serving
 
 VOCAB, MAX_LOOPS, MAX_MODEL_LEN = 384, 4, ENGINE["max_model_len"]  # tiny-huginn's bounds

@@ -238,3 +238,21 @@ def _pending_limit(client: openai.OpenAI, worker) -> None:
     stream.close()
     wait_idle([worker])  # its 4 aborted (the server counted them out before the aborts)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+@pytest.mark.parametrize("prompt", [[0, 7], [[0], [3, 0]], "0"])
+def test_token_id_zero_is_a_prompt(prompt):
+    """Token id 0 is a token, not an empty prompt (README's `bench serve` draws ids below 256)."""
+    from loopserve.entrypoints.openai.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt=prompt).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [[], "", [[]], [""], [[1], []], ["a", ""]])
+def test_an_empty_prompt_is_refused(prompt):
+    from pydantic import ValidationError
+
+    from loopserve.entrypoints.openai.protocol import CompletionRequest
+
+    with pytest.raises(ValidationError, match="must not be empty"):
+        CompletionRequest(model="m", prompt=prompt)

@@ -1,4 +1,4 @@
-"""Every error's status from one table (`cluster/status.py`) on both fronts, by the code the
+"""Every error's status from one table (`protocol/status.py`) on both fronts, by the code the
 error carries from where it arose (issue 38.3): a worker lost mid-request is a 503 with
 Retry-After on HTTP (an SSE error of code `unavailable` once streaming) and UNAVAILABLE on
 gRPC; an engine fault is a 500 / INTERNAL. An unauthenticated /health says only the status
@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from loopserve.cluster.router import Router
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, http_serving, serving, until
 from tests.cluster.faulty import FAULT, break_engine
 from tests.cluster.inprocess import InProcessHandle

@@ -1,4 +1,4 @@
-"""`ray job submit --working-dir . -- python -m loopserve.cluster.job ...` on a head this test
+"""`ray job submit --working-dir . -- python -m loopserve.job ...` on a head this test
 starts (its own ports and temp dir) and stops (SIGTERM to `ray start --block`, which takes its
 processes down with it; `ray stop` would kill every Ray on the machine)."""
 
@@ -76,7 +76,7 @@ def test_ray_job_submit_runs_workload_and_exits(ray_head):
     url, env = ray_head
     r = subprocess.run(
         [RAY, "job", "submit", "--address", url, "--working-dir", ".", "--",
-         "python", "-m", "loopserve.cluster.job", "--config", "configs/cpu-1p1d.yaml",
+         "python", "-m", "loopserve.job", "--config", "configs/cpu-1p1d.yaml",
          "--workload", "4", "--max-tokens", "6"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

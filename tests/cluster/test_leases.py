@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.process_launcher import ProcessWorkerHandle
 from loopserve.cluster.worker_spec import WorkerSpec
-from loopserve.bench.workload import WorkItem, run_workload
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference
 
 ENGINE = {"model": "tiny-ouro", "block_size": 4, "num_blocks": 256, "max_model_len": 256}

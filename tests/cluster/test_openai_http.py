@@ -15,12 +15,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loopserve.cluster.cluster import wait_idle
-from loopserve.cluster.router import Router
 from loopserve.bench.workload import WorkItem
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.cluster import wait_idle
+from loopserve.cluster.router.core import Router
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.protocol import ChatMessage
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, colocated_reference, http_serving, until
 
 MODEL = ENGINE["model"]

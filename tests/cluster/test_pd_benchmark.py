@@ -16,7 +16,7 @@ import pytest
 
 from loopserve.bench import pd_compare
 from loopserve.cluster.placement import stop_all
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from tests.cluster.conftest import ENGINE
 from tests.cluster.faulty import FAULT, break_engine
 from tests.cluster.inprocess import InProcessHandle

@@ -9,12 +9,12 @@ import random
 import pytest
 
 from loopserve.cluster.placement import stop_all
-from loopserve.cluster.prefix_index import PrefixIndex
-from loopserve.cluster.router import Router, _Prompt
+from loopserve.cluster.router.core import Router, _Prompt
+from loopserve.cluster.router.prefix_index import PrefixIndex
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import CacheEvents
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.worker_host import host as host_module
 from tests.cluster.conftest import ENGINE
 from tests.cluster.inprocess import InProcessHandle

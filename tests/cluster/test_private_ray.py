@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from loopserve.cluster.config import ServerConfig
-from loopserve.cluster.server import Server
+from loopserve.entrypoints.grpc.server import Server
 from tests.cluster.conftest import running
 
 pytest.importorskip("ray")

@@ -25,8 +25,8 @@ from loopserve.bench.workload import run_workload
 from loopserve.cluster.cluster import wait_idle
 from loopserve.cluster.config import load_cluster_config
 from loopserve.cluster.placement import launch, plan, stop_all
-from loopserve.cluster.router import Router
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, colocated_reference, greedy_items, until
 
 

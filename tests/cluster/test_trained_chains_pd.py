@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+from loopserve.bench.workload import WorkItem, run_workload
 from loopserve.checkpoints.chains import make_problems
 from loopserve.cluster.cluster import Cluster
 from loopserve.cluster.config import load_cluster_config
-from loopserve.bench.workload import WorkItem, run_workload
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.cluster.conftest import colocated_reference
 
 

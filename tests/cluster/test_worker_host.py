@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.worker_host.host import EngineHost
 from tests.cluster.conftest import ENGINE
 

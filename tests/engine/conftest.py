@@ -7,10 +7,10 @@ import pytest
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 from loopserve.model.dense_reference import dense_greedy_generate
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler import RequestStatus
 from loopserve.scheduler.invariants import check_invariants
 import torch

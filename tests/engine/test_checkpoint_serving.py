@@ -16,7 +16,7 @@ if not hasattr(transformers, "DoryForCausalLM"):
 from loopserve.cli import main as cli_main  # noqa: E402
 from loopserve.engine.config import EngineConfig  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
-from loopserve.engine.sampling_params import SamplingParams  # noqa: E402
+from loopserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from loopserve.scheduler import SpeculativeConfig  # noqa: E402
 from tests.engine.conftest import make_engine, run_pd, run_to_completion  # noqa: E402
 from tests.model.test_dory import MAX_NEW, hf_config, hf_generate, prompts, randomize  # noqa: E402

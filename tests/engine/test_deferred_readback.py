@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from loopserve.engine.sampler import DrawnTokens
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler.invariants import check_invariants
 from tests.engine.conftest import make_engine, workload
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from loopserve.engine.llm import AsyncLLM, LLM
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler.invariants import check_invariants
 from tests.engine.conftest import make_engine, run_to_completion, workload
 

@@ -9,8 +9,8 @@ import pytest
 
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
 from loopserve.engine.llm import LLM, AsyncLLM
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler import RequestStatus
 from loopserve.scheduler.invariants import check_invariants
 from tests.engine.conftest import make_engine, workload

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine, reference, run_to_completion, workload
 
 CONFIGS = {

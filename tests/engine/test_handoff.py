@@ -7,8 +7,8 @@ import json
 import msgpack
 import pytest
 
-from loopserve.engine.handoff import HandoffMessage, compat_hash
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.handoff import HandoffMessage, compat_hash
+from loopserve.protocol.sampling_params import SamplingParams
 
 COMPAT = {"model": "tiny-huginn", "dtype": "float32", "block_size": 4, "max_loops": 2}
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from loopserve.engine.engine_core import EngineCore
-from loopserve.engine.handoff import HandoffMessage
 from loopserve.engine.model_runner import KVFence
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine
 
 MAX_MODEL_LEN = 256

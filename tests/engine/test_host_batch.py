@@ -3,11 +3,11 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from loopserve.engine.request import Request
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.host_batch import _slots, host_batch
+from loopserve.engine.request import Request
 from loopserve.intmath import cdiv
 from loopserve.model.batch import host_tensor
+from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.scheduler import Operation
 
 

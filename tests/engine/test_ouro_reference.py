@@ -16,9 +16,9 @@ import random
 import pytest
 import torch
 
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.dense_reference import dense_forward
 from loopserve.model.registry import CHECKPOINT_DIR, resolve_model, save_model
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.engine.ouro_reference import OuroReference
 

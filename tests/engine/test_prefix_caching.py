@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.engine.conftest import make_engine, run_pd, run_to_completion
 from tests.engine.test_equivalence import CONFIGS
 

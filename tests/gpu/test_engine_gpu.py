@@ -8,10 +8,10 @@ import torch
 
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.engine.state_store import StateStore
+from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
 from loopserve.model.registry import resolve_model
+from loopserve.protocol.sampling_params import SamplingParams
 from tests.engine.conftest import workload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

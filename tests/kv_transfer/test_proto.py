@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-import loopserve.cluster.proto.loopserve_pb2_grpc as pb_grpc
-from loopserve.cluster.proto import loopserve_pb2 as pb
+import loopserve.entrypoints.grpc.proto.loopserve_pb2_grpc as pb_grpc
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ("loopserve_pb2.py", "loopserve_pb2.pyi", "loopserve_pb2_grpc.py")
@@ -103,6 +103,6 @@ def test_committed_stubs_match_the_proto(tmp_path):
     env = {**os.environ, "PATH": f"{stub_bin}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
     out = tmp_path / "out"
     subprocess.run(["bash", str(ROOT / "scripts/gen_protos.sh"), str(out)], check=True, cwd=ROOT, env=env)
-    stale = [f for f in STUBS if (out / f).read_bytes() != (ROOT / "loopserve/cluster/proto" / f).read_bytes()]
+    stale = [f for f in STUBS if (out / f).read_bytes() != (ROOT / "loopserve/entrypoints/grpc/proto" / f).read_bytes()]
     assert not stale, f"{stale} are stale: run scripts/gen_protos.sh"
     assert "from . import loopserve_pb2 as" in (out / "loopserve_pb2_grpc.py").read_text()

@@ -12,10 +12,10 @@ import torch
 
 from loopserve.cli import main
 from loopserve.engine.llm import LLM
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.model.config import parse_config
 from loopserve.model.registry import build_model, resolve_model, save_model
 from loopserve.model.tokenizer import HFTokenizer
+from loopserve.protocol.sampling_params import SamplingParams
 
 TEXTS = ["the cat sat on the mat", "a dog ran to the cat", "the mat was red and the dog sat"]
 

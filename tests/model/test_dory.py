@@ -204,7 +204,7 @@ def test_engine_at_long_prompts_matches_dense_reference(tmp_path_factory, mode):
     (tests/real_shapes.py), both KV modes: the dense reference's greedy tokens."""
     from loopserve.engine.config import EngineConfig
     from loopserve.engine.engine_core import EngineCore
-    from loopserve.engine.sampling_params import SamplingParams
+    from loopserve.protocol.sampling_params import SamplingParams
     from tests.engine.conftest import run_to_completion
     from tests.real_shapes import ENGINE, LONG_PROMPTS, prompt_of
 

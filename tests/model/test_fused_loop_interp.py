@@ -126,7 +126,7 @@ def test_weights_do_not_move_once_the_engine_is_built():
     batch-1 loop, after batch-2 graphs of the per-layer path were captured, freed the storage
     those graphs read (an illegal memory access on the H200). Batches of 2 rows run first here."""
     from tests.engine.conftest import make_engine, run_to_completion
-    from loopserve.engine.sampling_params import SamplingParams
+    from loopserve.protocol.sampling_params import SamplingParams
 
     engine = make_engine("tiny-ouro", fused_loop="on", fused_loop_rows=1)
     try:

@@ -7,7 +7,6 @@ from loopserve.scheduler import (
     BatchItem,
     DuplicateSelectionError,
     Operation,
-    QueueFullError,
     RequestStatus,
     ScheduledBatch,
     Scheduler,
@@ -16,6 +15,7 @@ from loopserve.scheduler import (
     SpeculativeConfig,
     WorkKey,
 )
+from loopserve.protocol.status import QueueFullError
 from loopserve.scheduler.invariants import check_invariants
 from loopserve.scheduler.policy import POLICIES
 from loopserve.scheduler.queues import RankedFifo, WorkQueues

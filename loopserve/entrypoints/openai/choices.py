@@ -16,10 +16,10 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from loopserve.cluster.router import Router
-from loopserve.cluster.status import RequestFailed
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import RequestFailed
 
 
 @dataclass(frozen=True)

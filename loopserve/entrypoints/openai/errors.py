@@ -1,4 +1,4 @@
-"""OpenAI error objects and the HTTP status of every error, by the table of `cluster/status.py`.
+"""OpenAI error objects and the HTTP status of every error, by the table of `protocol/status.py`.
 
 `error.code` is a string (the error's code, lower case: `invalid_argument`, `unavailable`,
 ...) or null, as OpenAI's spec has it; `param` names the request field at fault.
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from loopserve.cluster.status import RETRY_AFTER_S, STATUS, Code, code_of
 from loopserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from loopserve.protocol.status import RETRY_AFTER_S, STATUS, Code, FieldError, code_of
 
 # The JSON parser's nesting limit (pydantic-core's: deeper documents are refused by it).
 JSON_MAX_DEPTH = 200
@@ -49,8 +49,8 @@ class APIError(Exception):
 
 
 def _param(message: str, fields: set[str], renames: dict[str, str]) -> str | None:
-    """The request field a ValueError's message starts with ("top_p must be ...",
-    "sampling.stop[0] has ...", "prompt.text has ..."), as the endpoint spells it."""
+    """The request field a FieldError names ("sampling.stop[0]", "prompt.text") or an
+    engine's ValueError's message starts with ("top_p must be ..."), as the endpoint spells it."""
     word = message.split(" ", 1)[0].removeprefix("sampling.").split("[")[0].split(".")[0]
     word = renames.get(word, word)
     return word if word in fields else None
@@ -61,7 +61,8 @@ def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError
     code = code_of(e)
     if code is None:
         return None
-    param = _param(str(e), fields, renames) if code is Code.INVALID_ARGUMENT else None
+    named = e.field if isinstance(e, FieldError) else str(e)
+    param = _param(named, fields, renames) if code is Code.INVALID_ARGUMENT else None
     return APIError.of(code, str(e), param)
 
 

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictInt, ValidationInfo, field_validator
 
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_N = 128  # choices per prompt (server.limits.max_choices bounds prompts × n)
@@ -114,8 +114,8 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, p: str | list) -> str | list:
-        if not p or (isinstance(p, list) and any(not isinstance(x, int) and not x for x in p)):
-            raise ValueError("must not be empty")  # the prompt, or one of a batch (token id 0 is fine)
+        if not p or (isinstance(p, list) and any(isinstance(x, (str, list)) and not x for x in p)):
+            raise ValueError("must not be empty")
         return p
 
     @field_validator("echo")

@@ -8,7 +8,7 @@ then comes first on every path (401 before routing, before the body is read), as
 is UNAUTHENTICATED without it. Bodies are read within server.limits.max_message_bytes
 whatever their framing (`body.py`); slow sockets are closed (`sockets.py`). Errors are OpenAI
 error objects naming the field: 400 bad input, 401, 404 unknown model or path, 413 body too
-large, and by the code table of `cluster/status.py`: 429 backpressure and 503 a lost or no
+large, and by the code table of `protocol/status.py`: 429 backpressure and 503 a lost or no
 healthy worker (both with Retry-After), 500 an engine fault.
 """
 
@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loopserve.cluster.auth import bearer
 from loopserve.cluster.config import ServerConfig
-from loopserve.cluster.router import Router
+from loopserve.cluster.router.core import Router
 from loopserve.engine.config import EngineConfig
+from loopserve.entrypoints.auth import bearer
 from loopserve.entrypoints.openai.body import read_request
 from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.errors import APIError

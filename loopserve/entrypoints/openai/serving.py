@@ -3,7 +3,7 @@
 Every choice is one router request (`choices.py`); its outputs become the OpenAI response
 (non-streaming) or SSE chunks (`data: {...}` lines, then `data: [DONE]`). The router's
 refusals, and errors a request meets before its first output, become HTTP statuses before any
-response starts (APIError, by the code table of `cluster/status.py`: 503 with Retry-After for a
+response starts (APIError, by the code table of `protocol/status.py`: 503 with Retry-After for a
 lost worker); an error after the first output ends a stream with an error event of that code,
 or a non-streaming request with its status.
 One API request is prompts × n engine requests: at most server.limits.max_choices, and
@@ -19,15 +19,14 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from loopserve.cluster.limits import RequestLimits, check_limits
-from loopserve.cluster.protocol import request_to_proto
-from loopserve.cluster.router import Router
-from loopserve.cluster.status import Code
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.core import Router
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.choices import ChoiceStreams, Job
 from loopserve.entrypoints.openai.errors import APIError, refusal
+from loopserve.protocol.limits import RequestLimits, check_limits
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import Code
 from loopserve.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
@@ -122,7 +121,7 @@ class OpenAIServing:
             jobs = [Job(p, sp, f"{base}-{k * n + i}") for k, p in enumerate(prompts)
                     for i, sp in enumerate(choice_params)]
             for job in jobs:
-                check_limits(request_to_proto(job.prompt, job.params, job.request_id), self.limits)
+                check_limits(job.request_id, job.prompt, job.params, self.limits)
         except ValueError as e:
             raise refusal(e, fields, renames) from None
         return jobs

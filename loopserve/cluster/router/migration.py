@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass

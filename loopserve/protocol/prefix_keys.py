@@ -2,7 +2,7 @@
 
 The engine keys its cache with it; a router holding the same keyer (a worker hands it over:
 `prefix_keyer()`) computes the same keys for a new request and routes it where its prefix is
-cached, as the workers' KV events report (cluster/prefix_index.py). A key hashes the block's
+cached, as the workers' KV events report (cluster/router/prefix_index.py). A key hashes the block's
 tokens, its parent's key and what else a prompt token's K/V depends on: the model, dtype and
 the request's resolved loop parameters and planes, and the seed for a seeded model.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loopserve.engine.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockHash, hash_blocks
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

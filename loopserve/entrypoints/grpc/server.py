@@ -27,13 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from loopserve.cluster.auth import BearerTokenInterceptor
 from loopserve.cluster.config import ServerConfig
-from loopserve.cluster.limits import check_limits
-from loopserve.cluster.protocol import parse, request_from_proto, responses_from_output
-from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.router import Router
-from loopserve.cluster.status import STATUS, code_of
+from loopserve.cluster.router.core import Router
+from loopserve.entrypoints.auth import BearerTokenInterceptor
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.protocol import parse, request_from_proto, responses_from_output
+from loopserve.protocol.limits import check_limits
+from loopserve.protocol.status import code_of
 
 log = logging.getLogger(__name__)
 SERVICE = "loopserve.v1.LoopServe"
@@ -56,8 +56,8 @@ class LoopServeServicer:
         stream = None
         try:
             request = parse(pb.GenerateRequest, raw)
-            check_limits(request, self.config.limits)
             prompt, params = request_from_proto(request)
+            check_limits(request.request_id, prompt, params, self.config.limits)
             stream = self.router.generate(prompt, params, request.request_id or None)
             async for out in stream:
                 for msg in responses_from_output(out, out.request_id, time.time()):
@@ -65,7 +65,7 @@ class LoopServeServicer:
         except Exception as e:  # a refusal is raised before the first output: no stream yet
             if (code := code_of(e)) is None:
                 raise
-            await context.abort(STATUS[code].grpc, str(e))
+            await context.abort(grpc.StatusCode[code.value], str(e))
         finally:
             self.in_flight -= 1
             if stream is not None:

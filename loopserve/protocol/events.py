@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.handoff import HandoffMessage
 from loopserve.kv_cache import CacheEvents
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Router: sends a request to an entry worker (prefill or colocated) and its handoff to a decode
-worker, and streams the request's outputs back to the caller. Each is chosen by load, except
-that among workers within PREFIX_LOAD_SLACK of the least loaded, the one whose prefix cache
-holds the longest part of the prompt wins (`prefix_index.py`, fed by the workers' KV events;
-`prefix_routing`). In pd mode a request whose uncached prompt (on the decode worker it would
+worker, and streams the request's outputs back to the caller. Each is chosen by the routing
+policy (`policy.py`; the default, `prefix_aware`, picks among workers near the least loaded
+the one whose prefix cache holds the longest part of the prompt: `prefix_index.py`, fed by
+the workers' KV events). In pd mode a request whose uncached prompt (on the decode worker it would
 go to) is shorter than `local_prefill_tokens` is prefilled there: no prefill worker, no KV
 transfer (disaggregation decided per request, as Dynamo's conditional disaggregation).
 
@@ -34,40 +34,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 
 from loopserve.cluster.handle import WorkerHandle
-from loopserve.cluster.migration import StreamHistory
-from loopserve.cluster.prefix_index import PrefixIndex
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.handoff import HandoffMessage
-from loopserve.engine.prefix_keys import PrefixKeyer
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.cluster.router.migration import StreamHistory
+from loopserve.cluster.router.policy import PrefixAware, RoutingPolicy, decode_load, entry_load
+from loopserve.cluster.router.prefix_index import PrefixIndex
+from loopserve.cluster.router.workers import WorkerState
 from loopserve.metrics import ServingMetrics, WorkerCollector
-from loopserve.worker_host.events import WorkerLoad
-from loopserve.scheduler import QueueFullError
+from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
 
 log = logging.getLogger(__name__)
 REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> worker tombstones)
-# Requests (queued + running) a worker may have beyond the least loaded one and still be chosen
-# for holding the prompt's prefix: a cached prefix skips its prefill, a longer queue delays it.
-PREFIX_LOAD_SLACK = 4
-
-
-class NoWorkerError(RuntimeError):
-    """No healthy worker of the needed role."""
-
-
-class RequestIdInUseError(ValueError):
-    """A live request already has this client id (the server answers ALREADY_EXISTS)."""
 
 
 @dataclass
@@ -105,79 +94,14 @@ class _Stream:
     avoid: set[str] = field(default_factory=set)  # workers an earlier attempt failed on
 
 
-class _WorkerState:
-    """The router's view of one worker: its last reported load plus submits not yet counted,
-    whether it answers, and the threads that call it (one slow worker holds only its own)."""
-
-    def __init__(self, handle: WorkerHandle) -> None:
-        self.handle = handle
-        self.id = handle.worker_id
-        self.load: WorkerLoad | None = None
-        self.healthy = True  # its engine works (its own report)
-        self.failed = False  # its requests were moved off it; serves again once it polls healthy
-        self.silent_since: float | None = None  # a call or poll missed its deadline
-        self.polling_since: float | None = None  # the pump's long poll in flight
-        self.error: str | None = None
-        self.sent = 0
-        self.pending: deque[tuple[int, int]] = deque()  # (send number, looped blocks)
-        self.calls = ThreadPoolExecutor(4, f"to-{self.id}")
-        # Observability (stats) on a thread of its own, one call in flight that every caller
-        # shares: scrapes of a hung worker never take the threads submits and handoffs need,
-        # and never queue behind each other.
-        self.observer = ThreadPoolExecutor(1, f"stats-{self.id}")
-        self.stats_call: Future | None = None
-        self.keyer: PrefixKeyer | None = None  # how its prefix cache keys blocks (None: off)
-
-    @property
-    def routable(self) -> bool:
-        return self.healthy and not self.failed and self.silent_since is None
-
-    def why_not(self, now: float) -> str | None:
-        if self.routable:
-            return None
-        if self.silent_since is not None and not self.failed:
-            return f"unresponsive for {now - self.silent_since:.1f} s"
-        return self.error or "unhealthy"
-
-    def note_sent(self, blocks: int) -> None:
-        self.sent += 1
-        self.pending.append((self.sent, blocks))
-
-    def unsend(self) -> None:
-        """A submit that was not accepted: the worker's `accepted` will not count it."""
-        self.sent -= 1
-        if self.pending:
-            self.pending.pop()
-
-    def reset(self) -> None:
-        """A restarted worker counts its accepted submits from 0 again."""
-        self.sent = 0
-        self.pending.clear()
-
-    def on_load(self, load: WorkerLoad) -> None:
-        self.load = load
-        self.healthy = load.healthy
-        while self.pending and self.pending[0][0] <= load.accepted:
-            self.pending.popleft()
-
-    @property
-    def queue_depth(self) -> int:
-        reported = self.load.queue_depth + self.load.running if self.load else 0
-        return reported + len(self.pending)
-
-    @property
-    def free_blocks(self) -> float:
-        reported = self.load.free_blocks if self.load else math.inf
-        return reported - sum(b for _, b in self.pending)
-
-
 class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
                  poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 10.0,
                  fail_s: float = 30.0, metrics: ServingMetrics | None = None,
-                 tokenize: Callable[[str], list[int]] | None = None, prefix_routing: bool = True,
-                 local_prefill_tokens: int = 0) -> None:
-        """`tokenize`: the engines' tokenizer, for text prompts' block keys and lengths."""
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 policy: RoutingPolicy | None = None, local_prefill_tokens: int = 0) -> None:
+        """`tokenize`: the engines' tokenizer, for text prompts' block keys and lengths;
+        `policy`: the routing rule (default `PrefixAware()`)."""
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -191,14 +115,15 @@ class Router:
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
         self.tokenize = tokenize
-        self.prefix_routing = prefix_routing
+        self.policy = policy or PrefixAware()
+        self.prefix_routing = self.policy.uses_prefixes
         self.local_prefill_tokens = local_prefill_tokens if decode else 0
         self.poll_s = poll_s
         self.max_migrations = max_migrations
         self.deadline_s = deadline_s
         self.fail_s = fail_s
-        self._entry = [_WorkerState(h) for h in entry]
-        self._decode = [_WorkerState(h) for h in decode]
+        self._entry = [WorkerState(h) for h in entry]
+        self._decode = [WorkerState(h) for h in decode]
         self._workers = {w.id: w for w in self._entry + self._decode}
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
@@ -225,14 +150,14 @@ class Router:
             self._threads.append(t)
         return self
 
-    def _handshake(self, decode: Sequence[_WorkerState], prefill: Sequence[_WorkerState]) -> None:
+    def _handshake(self, decode: Sequence[WorkerState], prefill: Sequence[WorkerState]) -> None:
         if not decode:
             return
         infos = [f.result() for f in [p.calls.submit(p.handle.handshake_info) for p in prefill]]
         for f in [d.calls.submit(d.handle.add_peer, info) for d in decode for info in infos]:
             f.result()
 
-    def _learn_keyers(self, workers: Sequence[_WorkerState]) -> None:
+    def _learn_keyers(self, workers: Sequence[WorkerState]) -> None:
         if not self.prefix_routing:
             return
         futures = [(w, w.calls.submit(w.handle.prefix_keyer)) for w in workers]
@@ -355,7 +280,7 @@ class Router:
             if self._live.get(st.client_id) == st.request_id:
                 del self._live[st.client_id]
 
-    def _cached_tokens(self, prompt: _Prompt | None, workers: list[_WorkerState]) -> dict[str, int]:
+    def _cached_tokens(self, prompt: _Prompt | None, workers: list[WorkerState]) -> dict[str, int]:
         """Prompt tokens each worker's prefix cache holds, as its KV events last said (lock held)."""
         out: dict[str, int] = {}
         if prompt is None or not self.prefix_routing:
@@ -366,25 +291,16 @@ class Router:
                 out[wid] = n * keyer.block_size
         return out
 
-    def _choose(self, healthy: list[_WorkerState], cached: dict[str, int], by_load) -> _WorkerState:
-        """The worker holding the most of the prompt among those near the least loaded, else
-        the best by load (`by_load`: smaller is better)."""
-        least = min(w.queue_depth for w in healthy)
-        near = [w for w in healthy if cached.get(w.id) and w.queue_depth <= least + PREFIX_LOAD_SLACK]
-        if near:
-            return max(near, key=lambda w: (cached[w.id], -w.queue_depth, w.free_blocks, -w.sent))
-        return min(healthy, key=by_load)
-
-    def _pick_entry(self, avoid: set[str] = frozenset(), prompt: _Prompt | None = None) -> _WorkerState:
+    def _pick_entry(self, avoid: set[str] = frozenset(), prompt: _Prompt | None = None) -> WorkerState:
         healthy = _preferred(self._entry, avoid)
         if not healthy:
             raise NoWorkerError(f"no healthy {self._entry[0].handle.role} worker")
         cached = self._cached_tokens(prompt, healthy)
-        best = self._choose(healthy, cached, lambda w: (w.queue_depth, -w.free_blocks, w.sent))
+        best = self.policy.choose(healthy, cached, entry_load)
         self.metrics.routed_cached_tokens.inc(cached.get(best.id, 0))
         return best
 
-    def _pick_start(self, avoid: set[str], prompt: _Prompt | None) -> tuple[_WorkerState, bool]:
+    def _pick_start(self, avoid: set[str], prompt: _Prompt | None) -> tuple[WorkerState, bool]:
         """The worker to start (or continue) a request on, and whether it is a decode worker
         prefilling it itself: in pd mode with no healthy prefill worker, a decode worker
         serves the whole request (no KV transfer) rather than failing it."""
@@ -397,24 +313,24 @@ class Router:
             self.metrics.routed_cached_tokens.inc(chosen[1])
             return chosen[0], True
 
-    def _decode_for(self, prompt: _Prompt | None, avoid: set[str]) -> tuple[_WorkerState, int] | None:
+    def _decode_for(self, prompt: _Prompt | None, avoid: set[str]) -> tuple[WorkerState, int] | None:
         """The decode worker for a request, and how much of its prompt that worker holds."""
         healthy = _preferred(self._decode, avoid)
         if not healthy:
             return None
         cached = self._cached_tokens(prompt, healthy)
-        best = self._choose(healthy, cached, lambda w: (-w.free_blocks, w.queue_depth, w.sent))
+        best = self.policy.choose(healthy, cached, decode_load)
         return best, cached.get(best.id, 0)
 
     def _pick_decode(self, blocks: int, prompt: _Prompt | None,
-                     avoid: set[str] = frozenset()) -> _WorkerState | None:
+                     avoid: set[str] = frozenset()) -> WorkerState | None:
         chosen = self._decode_for(prompt, avoid)
         if chosen is None:
             return None
         chosen[0].note_sent(blocks)
         return chosen[0]
 
-    def _local_prefill(self, prompt: _Prompt) -> _WorkerState | None:
+    def _local_prefill(self, prompt: _Prompt) -> WorkerState | None:
         """pd mode: the decode worker to prefill this request on, if its uncached prompt there
         is shorter than `local_prefill_tokens` (its transfer would cost more than its prefill)."""
         if not self.local_prefill_tokens or prompt.ids is None:
@@ -492,7 +408,7 @@ class Router:
         self.metrics.migrations.inc()
         entry.calls.submit(self._resubmit, st.request_id, entry, prompt, params, error)
 
-    def _resubmit(self, request_id: str, entry: _WorkerState, prompt, params, error: str) -> None:
+    def _resubmit(self, request_id: str, entry: WorkerState, prompt, params, error: str) -> None:
         try:  # False: aborted meanwhile
             entry.handle.submit(request_id, prompt, params, timeout=self.deadline_s)
         except Exception as e:  # noqa: BLE001 - dead too, slow, or full: try the next one
@@ -502,7 +418,7 @@ class Router:
             self._migrate(request_id, f"{error}; then {entry.id} refused it: {e}", {entry.id})
 
     # ------------------------------------------------------------------ pumps
-    def _pump(self, w: _WorkerState) -> None:
+    def _pump(self, w: WorkerState) -> None:
         while not self._closed:
             w.polling_since = time.monotonic()
             try:
@@ -541,17 +457,14 @@ class Router:
             time.sleep(period)
             now = time.monotonic()
             for w in self._workers.values():
-                since = w.polling_since
-                if since is not None and now - since > self.poll_s + self.deadline_s:
-                    self._missed(w, TimeoutError(f"no event poll answer for {now - since:.1f} s"))
-                silent = w.silent_since
-                if silent is not None and not w.failed and now - silent > self.fail_s:
-                    error = f"worker {w.id} did not answer for {now - silent:.1f} s"
+                if (late := w.poll_late(now, self.poll_s + self.deadline_s)) is not None:
+                    self._missed(w, late)
+                if (error := w.silent_too_long(now, self.fail_s)) is not None:
                     log.error("%s; failing it", error)
                     self._fail_worker(w, error)
                     self._tell(w, "restart")
 
-    def _missed(self, w: _WorkerState, e: Exception) -> None:
+    def _missed(self, w: WorkerState, e: Exception) -> None:
         """A call to `w` missed its deadline: route around it until it answers a poll again."""
         if not isinstance(e, TimeoutError):
             return
@@ -560,7 +473,7 @@ class Router:
                 log.warning("worker %s unresponsive (%s): routing around it", w.id, e)
                 w.silent_since = time.monotonic()
 
-    def _deliver(self, w: _WorkerState, out: RequestOutput) -> None:
+    def _deliver(self, w: WorkerState, out: RequestOutput) -> None:
         with self._lock:
             st = self._streams.get(out.request_id)
             stale = st is None or w.id not in (st.entry, st.decode)
@@ -583,7 +496,7 @@ class Router:
             return
         self._push(st, out)
 
-    def _route_handoff(self, prefill: _WorkerState, msg: HandoffMessage) -> None:
+    def _route_handoff(self, prefill: WorkerState, msg: HandoffMessage) -> None:
         rid = msg.request_id
         with self._lock:
             st = self._streams.get(rid)
@@ -598,7 +511,7 @@ class Router:
             return
         target.calls.submit(self._hand_off, prefill, target, msg)
 
-    def _hand_off(self, prefill: _WorkerState, target: _WorkerState, msg: HandoffMessage) -> None:
+    def _hand_off(self, prefill: WorkerState, target: WorkerState, msg: HandoffMessage) -> None:
         """On the decode worker's own threads: a slow one never holds up the prefill's pump.
         A handoff that misses the deadline starts again elsewhere as a new attempt (the same
         handoff sent to a second reader could be released under it by the first, waking late)."""
@@ -616,7 +529,7 @@ class Router:
                 target.unsend()
             self._tell(prefill, "abort", rid)
 
-    def _fail_worker(self, w: _WorkerState, error: str, code: str = "UNAVAILABLE") -> None:
+    def _fail_worker(self, w: WorkerState, error: str, code: str = "UNAVAILABLE") -> None:
         """Migrate every request the worker held (a prefill worker no longer holds those
         whose decode side has started streaming)."""
         with self._lock:
@@ -627,7 +540,7 @@ class Router:
         for rid in hit:
             self._migrate(rid, error, {w.id}, code)
 
-    def _rejoin(self, w: _WorkerState) -> None:
+    def _rejoin(self, w: WorkerState) -> None:
         """A failed worker answers healthy again (restarted): shake hands with the peers in
         service (one still down does so itself when it rejoins), then route to it. On failure
         it stays failed and the next poll tries again."""
@@ -646,7 +559,7 @@ class Router:
             w.reset()
             w.failed, w.error = False, None
 
-    def _tell(self, w: _WorkerState, method: str, *args) -> None:
+    def _tell(self, w: WorkerState, method: str, *args) -> None:
         """Best effort, on the worker's own threads (a dead one fails, a hung one waits)."""
         def call() -> None:
             try:
@@ -734,7 +647,7 @@ def _refusal(e: Exception) -> str:
     return "unavailable" if isinstance(e, NoWorkerError) else "invalid"
 
 
-def _preferred(workers: list[_WorkerState], avoid: set[str]) -> list[_WorkerState]:
+def _preferred(workers: list[WorkerState], avoid: set[str]) -> list[WorkerState]:
     """Routable workers, without those in `avoid` unless that leaves none."""
     healthy = [w for w in workers if w.routable]
     return [w for w in healthy if w.id not in avoid] or healthy

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loopserve.cluster.auth import BearerToken
-from loopserve.cluster.protocol import StreamEvent, event_from_response, request_to_proto
-from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.cluster.proto import loopserve_pb2_grpc as pb_grpc
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.entrypoints.auth import BearerToken
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
+from loopserve.entrypoints.grpc.proto import loopserve_pb2_grpc as pb_grpc
+from loopserve.entrypoints.grpc.protocol import StreamEvent, event_from_response, request_to_proto
+from loopserve.protocol.sampling_params import SamplingParams
 
 
 class LoopServeClient:

@@ -1,6 +1,6 @@
-"""`python -m loopserve.cluster.job --config X`: start a cluster, serve or run a workload, exit.
+"""`python -m loopserve.job --config X`: start a cluster, serve or run a workload, exit.
 
-Under `ray job submit --working-dir . -- python -m loopserve.cluster.job --config X` the
+Under `ray job submit --working-dir . -- python -m loopserve.job --config X` the
 driver joins the job's cluster (RAY_ADDRESS); elsewhere it starts its own local one. The
 workload run prints one JSON summary line and exits non-zero if any request failed or any
 worker still holds KV blocks afterwards.
@@ -19,10 +19,11 @@ from loopserve.bench.workload import make_workload, run_workload, summarize
 from loopserve.cli_format import HelpFormatter
 from loopserve.cluster.cluster import Cluster, wait_idle
 from loopserve.cluster.config import add_server_args, load_cluster_config, server_overrides
+from loopserve.entrypoints.serve import serve_forever
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loopserve.cluster.job", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loopserve.job", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded cpu-1p1d)")
     p.add_argument("--serve", action="store_true", help="serve (gRPC and OpenAI-compatible HTTP) "
@@ -40,8 +41,6 @@ def run_job(args: argparse.Namespace) -> int:
     config = server_overrides(load_cluster_config(args.config), args)
     with Cluster(config) as cluster:
         if args.serve:
-            from loopserve.entrypoints.serve import serve_forever
-
             asyncio.run(serve_forever(cluster.router, config, args.duration))
             return 0
         items = make_workload(args.workload, seed=args.seed, max_tokens=args.max_tokens, rate=args.rate)

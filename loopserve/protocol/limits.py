@@ -1,4 +1,4 @@
-"""Edge limits: caps on a GenerateRequest that the server checks before any worker sees it.
+"""Edge limits: caps on a request that both fronts check before any worker sees it.
 
 They bound what one request can cost the server (memory, Ray transfer, stop-string matching)
 whatever the model. The model's own limits (max_model_len, the vocabulary, loop bounds) are
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loopserve.cluster.proto import loopserve_pb2 as pb
+from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.status import FieldError
 
 
 class RequestLimits(BaseModel):
@@ -27,22 +28,22 @@ class RequestLimits(BaseModel):
     max_choices: int = Field(128, ge=1)
 
 
-def check_limits(req: pb.GenerateRequest, limits: RequestLimits) -> None:
-    """Raise ValueError naming the first field over its limit."""
-    _at_most("request_id", len(req.request_id.encode()), "bytes", limits.max_request_id_bytes,
+def check_limits(request_id: str, prompt: str | list[int], params: SamplingParams,
+                 limits: RequestLimits) -> None:
+    """Raise FieldError naming the first field over its limit (as the gRPC request spells it)."""
+    _at_most("request_id", len(request_id.encode()), "bytes", limits.max_request_id_bytes,
              "max_request_id_bytes")
-    if req.WhichOneof("prompt") == "text":
-        _at_most("prompt.text", len(req.text.encode()), "bytes", limits.max_prompt_bytes,
+    if isinstance(prompt, str):
+        _at_most("prompt.text", len(prompt.encode()), "bytes", limits.max_prompt_bytes,
                  "max_prompt_bytes")
-    s = req.sampling
-    _at_most("sampling.stop", len(s.stop), "strings", limits.max_stop, "max_stop")
-    for i, stop in enumerate(s.stop):
+    _at_most("sampling.stop", len(params.stop), "strings", limits.max_stop, "max_stop")
+    for i, stop in enumerate(params.stop):
         _at_most(f"sampling.stop[{i}]", len(stop.encode()), "bytes", limits.max_stop_bytes,
                  "max_stop_bytes")
-    _at_most("sampling.stop_token_ids", len(s.stop_token_ids), "ids", limits.max_stop_token_ids,
+    _at_most("sampling.stop_token_ids", len(params.stop_token_ids), "ids", limits.max_stop_token_ids,
              "max_stop_token_ids")
 
 
 def _at_most(field: str, got: int, unit: str, limit: int, key: str) -> None:
     if got > limit:
-        raise ValueError(f"{field} has {got} {unit}, more than server.limits.{key} ({limit})")
+        raise FieldError(field, f"has {got} {unit}, more than server.limits.{key} ({limit})")

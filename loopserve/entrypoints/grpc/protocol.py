@@ -11,9 +11,9 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from loopserve.cluster.proto import loopserve_pb2 as pb
-from loopserve.engine.outputs import RequestOutput
-from loopserve.engine.sampling_params import SamplingParams
+from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
+from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.sampling_params import SamplingParams
 
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
 _OPTIONAL_LOOPS = ("min_loops", "max_loops", "exit_threshold")
