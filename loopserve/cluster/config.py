@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from loopserve.cluster.router.policy import RoutingPolicy, make_policy
 from loopserve.config_file import ConfigError, describe, read_yaml
 from loopserve.engine.config import DEFAULT_MODEL, EngineConfig, given_scheduler_keys, merge_engine_data
+from loopserve.kv_transfer.registry import DEFAULT_CONNECTOR, KVConnectorName
 from loopserve.protocol.limits import RequestLimits
 
 AUTH_TOKEN_ENV = "LOOPSERVE_AUTH_TOKEN"
@@ -43,6 +44,7 @@ class RayConfig(_Strict):
 
 
 class TransferConfig(_Strict):
+    connector: KVConnectorName = DEFAULT_CONNECTOR  # the KV transport (kv_transfer/registry.py)
     lease_s: float = Field(30.0, gt=0)  # prefill frees a handoff's blocks if not renewed this long
     heartbeat_s: float = Field(1.0, gt=0)  # decode renews leases of handoffs it still has to read
     read_timeout_s: float = Field(30.0, gt=0)  # a READ not done by then fails the request

@@ -1,12 +1,12 @@
 """DecodeWorker: takes over prefilled requests, READs their KV from the prefill worker, decodes.
 
-A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then one NIXL
-READ pulls every plane of the prompt's blocks; when it lands the request is activated and
+A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then one KV
+connector READ pulls every plane of the prompt's blocks; when it lands the request is activated and
 decodes from its first token. While a handoff is queued or being read, the worker renews the
-prefill side's lease every heartbeat (a NIXL `renew` notification), so those blocks are never
+prefill side's lease every heartbeat (a `renew` notification), so those blocks are never
 freed under a backlogged reader; a handoff it drops unread gets a `release`.
 
-Blocks a READ writes into are freed only once NIXL reports the READ finished, even when the
+Blocks a READ writes into are freed only once the connector reports the READ finished, even when the
 request was aborted or its READ timed out (the caller is told at once; the blocks wait).
 Otherwise a late write could land in blocks that already belong to another request.
 
@@ -46,7 +46,7 @@ class DecodeWorker(TransferHost):
         self._reading: dict[str, tuple[HandoffMessage, float, int, float]] = {}
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
         self._next_heartbeat = 0.0
-        self._peers: dict[str, str] = {}  # prefill engine id -> its NIXL agent name
+        self._peers: dict[str, str] = {}  # prefill engine id -> its connector agent name
         # seconds: READs posted to seen done; fence_seconds: add_handoff's wait for the device
         # to zero the blocks (and run what it had queued before) ahead of each post
         self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "fence_seconds": 0.0}
@@ -59,7 +59,7 @@ class DecodeWorker(TransferHost):
         with self._lock:
             if self._peers.get(info["engine_id"]) == info["agent_name"]:
                 return
-            self.nixl.add_peer(info)
+            self.connector.add_peer(info)
             self._peers[info["engine_id"]] = info["agent_name"]
 
     def submit_handoff(self, message: HandoffMessage) -> bool:
@@ -80,7 +80,7 @@ class DecodeWorker(TransferHost):
     def _poll_transfers(self) -> bool:
         now = time.monotonic()
         placed = self._place_inbox(now)
-        done, failed = self.nixl.poll()
+        done, failed = self.connector.poll()
         for rid in done:
             self._read_finished(rid, None)
         for rid in failed:
@@ -88,8 +88,8 @@ class DecodeWorker(TransferHost):
         for rid in self.tracker.expired(now):
             self._read_timed_out(rid)
         self._heartbeat(now)
-        if not self.nixl.progress_thread:
-            self.nixl.progress()  # flush the renew/release notes just queued
+        if not self.connector.progress_thread:
+            self.connector.progress()  # flush the renew/release notes just queued
         return bool(placed or done or failed)
 
     def _place_inbox(self, now: float) -> int:
@@ -120,7 +120,7 @@ class DecodeWorker(TransferHost):
         rid = msg.request_id
         arrived = self._arrived.pop(rid, now)
         try:
-            nbytes = self.nixl.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
+            nbytes = self.connector.start_read(rid, msg.prefill_engine_id, msg.block_table, table,
                                           msg.num_kv_tokens, self.engine.cached_blocks(rid))
         except Exception as e:  # noqa: BLE001 - unknown peer, bad table: this request fails
             self._release(msg)
@@ -164,7 +164,7 @@ class DecodeWorker(TransferHost):
                 h["counts"][i] += 1
 
     def _read_timed_out(self, request_id: str) -> None:
-        """Fail the request now; its blocks stay reserved until NIXL reports the READ over."""
+        """Fail the request now; its blocks stay reserved until the connector reports the READ over."""
         msg = self._reading[request_id][0]
         self.reads["failed"] += 1
         self._dropped.add(request_id)
@@ -177,7 +177,7 @@ class DecodeWorker(TransferHost):
     def _release(self, msg: HandoffMessage) -> None:
         """Tell the prefill side it may free a handoff this worker will not read (best effort:
         if the note is lost, the unrenewed lease frees it)."""
-        self.nixl.notify(msg.prefill_engine_id, "release", [msg.request_id])
+        self.connector.notify(msg.prefill_engine_id, "release", [msg.request_id])
 
     def _heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat or not (self._inbox or self._reading):
@@ -189,7 +189,7 @@ class DecodeWorker(TransferHost):
             if msg.request_id not in self._dropped:
                 renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
         for peer, ids in renew.items():
-            self.nixl.notify(peer, "renew", ids)
+            self.connector.notify(peer, "renew", ids)
 
     def _transfers_pending(self) -> bool:
         return bool(self._inbox or self._reading)

@@ -1,43 +1,37 @@
 """EngineCore: one step = schedule one single-Operation batch, run it, feed results back.
 
-Plain Python objects (no Ray): a Ray actor, a plain process or the LLM class can host it.
+It wires the parts and keeps stepping and the PD role API; a request's validation is
+`Intake`'s, what a CODA's logits become is `CodaAcceptance`'s, and which GPU paths run is
+`GpuPaths`' (applied by the model runner). Plain Python objects (no Ray): a Ray actor, a
+plain process or the LLM class can host it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from loopserve.engine import handoff
+from loopserve.engine.acceptance import CodaAcceptance
 from loopserve.engine.config import EngineConfig
-from loopserve.protocol.handoff import HandoffMessage
-from loopserve.engine.model_runner import ModelRunner
-from loopserve.intmath import cdiv
-from loopserve.model.layers import fuse_elementwise
-from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.engine.counters import EngineCounters
+from loopserve.engine.gpu_paths import GpuPaths
+from loopserve.engine.intake import Intake
+from loopserve.engine.model_runner import ModelRunner
+from loopserve.engine.readback import UnreadBatch, UnreadSamples
+from loopserve.engine.request import Request
+from loopserve.intmath import cdiv
+from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
-from loopserve.engine.readback import UNREAD, UnreadBatch, UnreadSamples
-from loopserve.engine.request import Request
-from loopserve.engine.sampler import draw_tokens
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
+from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.model.registry import resolve_model
 from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
-from loopserve.scheduler import (
-    BatchItem,
-    BatchResult,
-    ItemResult,
-    Operation,
-    Scheduler,
-    SchedRequest,
-    ScheduledBatch,
-)
+from loopserve.scheduler import BatchResult, ItemResult, Operation, Scheduler, ScheduledBatch
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,24 +74,16 @@ class EngineCore:
                                    self.kv_manager)
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device,
                                   KV_CACHE_DTYPES[config.kv_cache_dtype])
-        if config.fuse_elementwise and self.device.type == "cuda":
-            fuse_elementwise()
-        fused = config.fused_loop == "on" or (config.fused_loop == "auto" and self.device.type == "cuda")
-        if not self.model.use_fused_loop(config.fused_loop_rows if fused else 0) and config.fused_loop == "on":
-            raise ValueError(f"fused_loop='on': model {config.model!r} has no fused loop kernel (Ouro has)")
-        if config.cuda_graphs and self.device.type == "cuda":
-            self.runner.use_graphs(sc.max_num_seqs, cdiv(config.max_model_len, config.block_size),
-                                   capture=True)
+        paths = GpuPaths.resolve(config, self.device)
+        self.runner.use_paths(paths, config.model, sc.max_num_seqs, cdiv(config.max_model_len, config.block_size))
+        self.intake = Intake(config, self.model, self.tokenizer, self.prefix_keyer)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
-        self._ids = itertools.count()
-        self._seed_rng = random.Random(config.seed)
+        self.acceptance = CodaAcceptance(self.runner, self.counters, paths.defer_readback)
         self._pending_outputs: list[RequestOutput] = []
         self._executor = ThreadPoolExecutor(1, "loopserve-exec") if config.async_scheduling else None
         self._inflight: tuple[ScheduledBatch, Future] | None = None
         self._handoffs: list[HandoffMessage] = []
-        # A prefill engine hands its request over right after the CODA: nothing to overlap.
-        self._defer = config.defer_readback and sc.role != "prefill"
         self._unread = UnreadSamples()
         self.error: str | None = None  # why the engine failed (see fail); None while it serves
 
@@ -106,53 +92,12 @@ class EngineCore:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; ValueError names the bad field and its limit."""
         self._check_alive()
-        params = params or SamplingParams()
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("request_id must be a non-empty string")
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be <= "
-                f"max_model_len ({limit})"
-            )
-        d = self.model.default_loop_params
-        params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.max_loops)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
-                      eos_token_id=self.tokenizer.eos_token_id)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        req = self.intake.request(prompt, params, request_id, arrival_time, self.requests)
         # KVCapacityError if it can never fit, QueueFullError beyond max_waiting
-        self.scheduler.add_request(self._sched_request(req))
-        self.requests[rid] = req
-        self.counters.prompt_tokens += len(ids)
-        return rid
-
-    def _sched_request(self, req: Request) -> SchedRequest:
-        p = req.params
-        planes = self.model.kv_planes(p.max_loops)
-        return SchedRequest(
-            request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=p.max_tokens,
-            min_loops=p.min_loops, max_loops=p.max_loops, priority=p.priority,
-            arrival_time=req.arrival_time, greedy=p.greedy, num_planes=planes,
-            block_hashes=self._block_hashes(req),
-        )
-
-    def _block_hashes(self, req: Request) -> tuple[bytes, ...] | None:
-        """Prefix-cache keys of the prompt's full blocks; None when caching is off for it."""
-        if self.prefix_keyer is None:
-            return None
-        return self.prefix_keyer.keys(req.prompt_token_ids, req.params, req.seed)
+        self.scheduler.add_request(self.intake.sched_request(req))
+        self.requests[req.request_id] = req
+        self.counters.prompt_tokens += req.prompt_len
+        return req.request_id
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -312,10 +257,8 @@ class EngineCore:
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
         self._check_alive()
-        if h.request_id in self.requests:
-            raise ValueError(f"request_id {h.request_id!r} is already in use")
-        req = handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
-        if not self.scheduler.add_receiving(self._sched_request(req), h.num_kv_tokens):
+        req = self.intake.handoff(h, self.requests)
+        if not self.scheduler.add_receiving(self.intake.sched_request(req), h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req
         # Zero fresh blocks now, before the KV read lands in them; the READ does not queue
@@ -370,69 +313,12 @@ class EngineCore:
             exited = self.runner.recurrent(batch, reqs, tables, self._draft_loops())
             return BatchResult({i.request_id: ItemResult(exited=exited[i.request_id]) for i in batch.items}), None
         logits = self.runner.coda(batch, reqs, tables)
-        results, unread = self._sample(batch.items, reqs, logits)
+        results, unread = self.acceptance.results(batch.items, reqs, logits)
         return BatchResult(results), unread
 
     def _draft_loops(self) -> int:
         spec = self.config.scheduler.speculative
         return spec.draft_loops if spec else 0
-
-    def _sample(self, items: list[BatchItem], reqs: dict[str, Request],
-                logits: dict[str, torch.Tensor | None]) -> tuple[dict[str, ItemResult], UnreadBatch | None]:
-        """Every item's CODA result; ordinary next tokens are drawn in one call for the whole
-        batch (at most one device sync, not one per request), and with defer_readback not read
-        here: they stay on the device for the next PRELUDE and come back as an `UnreadBatch`."""
-        out: dict[str, ItemResult] = {}
-        plain: list[BatchItem] = []
-        for item in items:
-            req, lg = reqs[item.request_id], logits[item.request_id]
-            if req.finished or lg is None:  # aborted in flight, or a coda that only writes KV
-                out[item.request_id] = ItemResult(finished=req.finished)
-            elif item.draft:
-                tok = int(torch.argmax(lg[0]).item())
-                req.draft_token_ids.append(tok)
-                self.counters.spec_drafted += 1
-                out[item.request_id] = ItemResult(sampled=(tok,))
-            elif item.verify:
-                out[item.request_id] = self._accept(item, req, lg)
-            else:
-                plain.append(item)
-        unread = None
-        if plain:
-            mine = [reqs[i.request_id] for i in plain]
-            drawn = draw_tokens(torch.stack([logits[i.request_id][0] for i in plain]), [r.params for r in mine],
-                                [r.seed for r in mine], [len(r.output_token_ids) for r in mine])
-            if self._defer:
-                rids = [i.request_id for i in plain]
-                produced = [i.logits_positions[0] for i in plain]
-                self.runner.keep_tokens(rids, [p + 1 for p in produced], drawn.token_ids)
-                unread = UnreadBatch(drawn, {rid: (k, p) for k, (rid, p) in enumerate(zip(rids, produced))})
-                for rid in rids:  # the scheduler sees max_tokens itself; stop tokens come later
-                    out[rid] = ItemResult(sampled=(UNREAD,))
-            else:
-                for item, req, s in zip(plain, mine, drawn.samples()):
-                    req.append(s, item.logits_positions[0])
-                    self.counters.tokens_generated += 1
-                    out[item.request_id] = ItemResult(sampled=(s.token_id,), finished=req.finished)
-        return {i.request_id: out[i.request_id] for i in items}, unread
-
-    def _accept(self, item: BatchItem, req: Request, logits: torch.Tensor) -> ItemResult:
-        """Greedy verify: keep the longest prefix of drafts the full-depth model agrees with.
-
-        Each row is drawn as a plain decode step draws its token, so an emitted token carries
-        the same logprobs as it would without speculation."""
-        n, start = len(logits), len(req.output_token_ids)
-        samples = draw_tokens(logits, [req.params] * n, [req.seed] * n, list(range(start, start + n))).samples()
-        drafts, req.draft_token_ids = req.draft_token_ids, []
-        emitted: list[int] = []
-        for j, s in enumerate(samples):
-            req.append(s, item.logits_positions[j])
-            emitted.append(s.token_id)
-            self.counters.tokens_generated += 1
-            if req.finished or j + 1 >= n or drafts[j] != s.token_id:
-                break
-            self.counters.spec_accepted += 1
-        return ItemResult(sampled=tuple(emitted), finished=req.finished)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.engine.cuda_graphs import DecodeGraphs
+from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.request import Request
 from loopserve.engine.state_store import StateStore
 from loopserve.kv_cache import BlockTable, KVLayout
 from loopserve.engine.host_batch import HostBatch, host_batch
 from loopserve.model.batch import LoopState, ModelBatch, device_tensor
 from loopserve.model.exit_rule import exit_mask, exit_without_score
+from loopserve.model.layers import fuse_elementwise
 from loopserve.model.paged_kv import PagedKVCache
 from loopserve.scheduler import Operation, ScheduledBatch
 
@@ -46,8 +48,20 @@ class ModelRunner:
         self.states = StateStore(model.state_dim, dtype, device)
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.graphs: DecodeGraphs | None = None
+        self.paths: GpuPaths | None = None  # set by use_paths
         self._ops = {Operation.PRELUDE: self._prelude_op, Operation.RECURRENT: self._recurrent_op,
                      Operation.CODA: self._coda_op}
+
+    def use_paths(self, paths: GpuPaths, model_name: str, max_batch: int, max_blocks_per_seq: int) -> None:
+        """Turn on the GPU paths `paths` resolved for this device (at construction, before any
+        batch: graphs are captured over the fused loop's stacked weights)."""
+        self.paths = paths
+        if paths.fuse_elementwise:
+            fuse_elementwise()
+        if not self.model.use_fused_loop(paths.fused_loop_rows) and paths.fused_loop_required:
+            raise ValueError(f"fused_loop='on': model {model_name!r} has no fused loop kernel (Ouro has)")
+        if paths.cuda_graphs:
+            self.use_graphs(max_batch, max_blocks_per_seq, capture=True)
 
     def use_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: bool) -> None:
         """Run decode-shaped batches through DecodeGraphs (capture=False: the padded path,

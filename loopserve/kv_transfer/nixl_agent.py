@@ -26,18 +26,14 @@ import torch
 
 from loopserve.intmath import cdiv
 from loopserve.kv_cache import BlockTable
+from loopserve.kv_transfer.connector import NOTIFY_KINDS, KVConnector, check_compat
 
 log = logging.getLogger(__name__)
 POOLS = ("looped", "flat")  # descriptor order: looped blocks first, then flat
-NOTIFY_KINDS = ("read", "release", "renew")
 CPU_UCX_ENV = {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo"}  # shared memory alone fails here
 # UCX turns cuda_ipc GET off where it sees no NVLink (one GPU, PCIe peers) and READs of VRAM
 # then go through host memory over TCP: 0.5 GB/s on an H200, 1.5 TB/s with GET on.
 GPU_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
-
-
-class KVCompatError(ValueError):
-    """Two engines' KV layouts differ; they must not exchange blocks."""
 
 
 class NixlUnavailableError(RuntimeError):
@@ -134,7 +130,7 @@ def layout_compat(pools: dict[str, torch.Tensor], block_size: int) -> dict:
     }
 
 
-class NixlKVWorker:
+class NixlKVWorker(KVConnector):
     """One engine's NIXL agent over its KV pools (see the module doc for the protocol).
 
     `compat` adds engine-level facts (model name, loop bounds ...) to the layout facts the
@@ -228,11 +224,8 @@ class NixlKVWorker:
         self._check_open()
         if missing := sorted({"engine_id", "agent_name", "agent_metadata", "compat", "pools"} - set(info)):
             raise ValueError(f"handshake info lacks {missing}")
-        peer, theirs, ours = info["engine_id"], info["compat"], self.compat
-        diffs = [f"{key} is {theirs.get(key)!r} on {peer!r} but {ours.get(key)!r} on {self.engine_id!r}"
-                 for key in sorted(set(theirs) | set(ours)) if theirs.get(key) != ours.get(key)]
-        if diffs:
-            raise KVCompatError(f"KV layout of peer {peer!r} does not match: " + "; ".join(diffs))
+        peer = info["engine_id"]
+        check_compat(self.engine_id, self.compat, peer, info["compat"])
         if peer in self._peers:
             self._drop_peer(peer)
         layouts = {name: PoolLayout(**lay) for name, lay in info["pools"].items()}

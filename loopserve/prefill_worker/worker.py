@@ -2,7 +2,7 @@
 has READ it.
 
 A finished prompt becomes a handoff (published with the first token's output) and gets a
-lease. The decode side speaks to it only through NIXL notifications: `read` (the READ is
+lease. The decode side speaks to it only through KV connector notifications: `read` (the READ is
 done) and `release` (it will not read after all) free the blocks, `renew` (heartbeats while
 the handoff waits or is being read) extends the lease. A lease runs out only when no reader
 renews it any more (it died or lost the request). Aborting a TRANSFERRING request frees at
@@ -30,7 +30,7 @@ class PrefillWorker(TransferHost):
 
     def handshake_info(self) -> dict:
         with self._lock:
-            return self.nixl.handshake_info()
+            return self.connector.handshake_info()
 
     def _after_step(self) -> list:
         now = time.monotonic()
@@ -42,7 +42,7 @@ class PrefillWorker(TransferHost):
 
     def _poll_transfers(self) -> bool:
         now = time.monotonic()
-        notes = self.nixl.poll_notifications()
+        notes = self.connector.poll_notifications()
         self.ledger.renew(notes["renew"], now)
         freed = [rid for rid in notes["read"] + notes["release"] if self.ledger.done(rid)]
         expired = self.ledger.expired(now)

@@ -2,7 +2,7 @@
 
 Everything the engine does happens on the thread that calls it, so every engine call (the
 step loop's and the RPC threads') holds one lock. The host itself is the colocated worker;
-PrefillWorker and DecodeWorker (through TransferHost, which owns their NIXL agent) add KV
+PrefillWorker and DecodeWorker (through TransferHost, which owns their KV connector) add KV
 transfer through the `_poll_transfers` / `_after_step` hooks. Methods are the RPC surface a `WorkerHandle` calls (Ray actor methods
 or plain-process RPC), so arguments and results are plain picklable values.
 """
@@ -27,7 +27,7 @@ from loopserve.worker_host.records import RecentIds, StatusTraces
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing to do at all
-POLL_WAIT_S = 0.001  # transfers in flight: poll NIXL this often
+POLL_WAIT_S = 0.001  # transfers in flight: poll the KV connector this often
 # Prefix-cache changes kept for the next poll; past it they fold into one snapshot, so a
 # router that stops polling costs memory bounded by the cache.
 MAX_CACHE_CHANGES = 1 << 16
@@ -42,7 +42,7 @@ class EngineHost:
         self.worker_id = worker_id
         self.transfer = dict(transfer or {})
         self.engine = EngineCore(EngineConfig(**merge_engine_data(engine, {"role": self.role})))
-        self._lock = EngineLock()  # every engine (and NIXL agent) call
+        self._lock = EngineLock()  # every engine (and KV connector) call
         self._events_cv = threading.Condition()  # the buffers below; taken after _lock, never before
         self._outputs: list[RequestOutput] = []
         self._handoffs: list[HandoffMessage] = []

@@ -12,11 +12,11 @@ module in the actor's process, which has the checkout on its path).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from loopserve.cluster.worker_spec import worker_class
 from loopserve.decode_worker.worker import DecodeWorker
-from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+from loopserve.kv_cache import BlockTable
+from loopserve.kv_transfer.connector import KVConnector
 from loopserve.worker_host.host import EngineHost
 
 READ_DELAY_S = 1.0
@@ -42,16 +42,25 @@ class FaultyHost(EngineHost):
         break_engine(self)
 
 
-class DelayedReads:
-    """A NIXL agent whose READs are posted `delay_s` after `start_read`; a READ that cannot be
-    posted then is reported failed by `poll`. Everything else is the agent's own."""
+class DelayedReads(KVConnector):
+    """A KV connector whose READs are posted `delay_s` after `start_read`; a READ that cannot
+    be posted then is reported failed by `poll`. Everything else is the wrapped connector's."""
 
-    def __init__(self, agent: NixlKVWorker, delay_s: float) -> None:
+    def __init__(self, agent: KVConnector, delay_s: float) -> None:
         self._agent = agent
         self._delay_s = delay_s
         self._waiting: dict[str, tuple[float, tuple]] = {}  # request -> (due, start_read args)
+        self.engine_id, self.progress_thread = agent.engine_id, agent.progress_thread
 
-    def start_read(self, request_id: str, *args: Any) -> int:
+    def handshake_info(self) -> dict:
+        return self._agent.handshake_info()
+
+    def add_peer(self, info: dict) -> None:
+        self._agent.add_peer(info)
+
+    def start_read(self, request_id: str, peer_engine_id: str, remote_table: BlockTable | dict,
+                   local_table: BlockTable | dict, num_tokens: int, first_block: int = 0) -> int:
+        args = (peer_engine_id, remote_table, local_table, num_tokens, first_block)
         self._waiting[request_id] = (time.monotonic() + self._delay_s, args)
         return 0  # bytes are not known before the READ is posted
 
@@ -65,14 +74,23 @@ class DelayedReads:
         done, failed = self._agent.poll()
         return done, failed + unposted
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
+    def notify(self, peer_engine_id: str, kind: str, request_ids: list[str]) -> bool:
+        return self._agent.notify(peer_engine_id, kind, request_ids)
+
+    def poll_notifications(self) -> dict[str, list[str]]:
+        return self._agent.poll_notifications()
+
+    def progress(self) -> None:
+        self._agent.progress()
+
+    def close(self) -> None:
+        self._agent.close()
 
 
 class SlowReadDecodeWorker(DecodeWorker):
     def _setup_transfers(self) -> None:
         super()._setup_transfers()
-        self.nixl = DelayedReads(self.nixl, READ_DELAY_S)
+        self.connector = DelayedReads(self.connector, READ_DELAY_S)
 
 
 def fault_class(role: str) -> type:

@@ -7,7 +7,7 @@ import pytest
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine_core import EngineCore
-from loopserve.kv_transfer.nixl_agent import NixlKVWorker
+from loopserve.kv_transfer.registry import DEFAULT_CONNECTOR, make_connector
 from loopserve.model.dense_reference import dense_greedy_generate
 from loopserve.model.registry import resolve_model
 from loopserve.protocol.sampling_params import SamplingParams
@@ -109,22 +109,24 @@ def _progress(engine: EngineCore) -> tuple[int, dict[str, RequestStatus]]:
     return sum(engine.counters.batches.values()), statuses
 
 
-# Rounds of run_pd in a row without any progress before it gives up (each polls NIXL once).
+# Rounds of run_pd in a row without any progress before it gives up (each polls the transport once).
 MAX_IDLE_ROUNDS = 20_000
 
 
-def run_pd(p: EngineCore, d: EngineCore, max_idle_rounds: int = MAX_IDLE_ROUNDS) -> PDRun:
+def run_pd(p: EngineCore, d: EngineCore, max_idle_rounds: int = MAX_IDLE_ROUNDS,
+           connector: str = DEFAULT_CONNECTOR) -> PDRun:
     """Serve the requests added to prefill engine `p` through it and decode engine `d`,
-    moving every prompt's KV with a real NIXL READ (the loop the PD workers run, NIXL driven
-    by these polls as the workers' step loops drive it: no progress thread).
+    moving every prompt's KV with a real READ of the `connector` transport (the loop the PD
+    workers run, the transport driven by these polls as the workers' step loops drive it: no
+    progress thread).
 
     Bounded by progress, not time: it fails after `max_idle_rounds` rounds in a row in which
     nothing moved (no batch, output, status change, READ done or notification), however slow
     the machine."""
-    pw = NixlKVWorker(f"pe-{uuid.uuid4().hex[:6]}", _pools(p), p.config.block_size, p.kv_compat(),
-                      progress_thread=False)
-    dw = NixlKVWorker(f"de-{uuid.uuid4().hex[:6]}", _pools(d), d.config.block_size, d.kv_compat(),
-                      progress_thread=False)
+    pw = make_connector(connector, f"pe-{uuid.uuid4().hex[:6]}", _pools(p), p.config.block_size, p.kv_compat(),
+                        progress_thread=False)
+    dw = make_connector(connector, f"de-{uuid.uuid4().hex[:6]}", _pools(d), d.config.block_size, d.kv_compat(),
+                        progress_thread=False)
     dw.add_peer(pw.handshake_info())
     run = PDRun()
     idle = 0

@@ -139,7 +139,7 @@ def test_slab_rows_carry_kept_tokens_across_growth():
 
 def test_prefill_role_reads_back_at_once():
     e = make_engine("tiny-ouro", role="prefill")
-    assert not e._defer
+    assert not e.runner.paths.defer_readback
     e.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), request_id="p")
     while not e.take_handoffs():
         e.step()

@@ -14,7 +14,8 @@ import torch
 from pydantic import ValidationError
 
 from loopserve.engine.config import EngineConfig
-from loopserve.kv_transfer.nixl_agent import KVCompatError, NixlKVWorker
+from loopserve.kv_transfer.connector import KVCompatError
+from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 from loopserve.model.paged_kv import FP8, FP8_KV_SCALE
 from tests.engine.conftest import make_engine, model_for, run_pd, run_to_completion, workload
 from tests.engine.test_equivalence import CONFIGS

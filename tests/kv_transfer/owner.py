@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from loopserve.kv_transfer.nixl_agent import NOTIFY_KINDS, NixlKVWorker
+from loopserve.kv_transfer.connector import NOTIFY_KINDS
+from loopserve.kv_transfer.nixl_agent import NixlKVWorker
 
 BLOCK_SIZE = 16
 SHAPES = {"looped": (96, 4, 2, BLOCK_SIZE, 2, 64), "flat": (32, 2, 2, BLOCK_SIZE, 2, 64)}

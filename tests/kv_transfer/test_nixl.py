@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from loopserve.intmath import cdiv
+from loopserve.kv_transfer.connector import KVCompatError
 from loopserve.kv_transfer.nixl_agent import (
-    KVCompatError,
     KVTransferError,
     NixlKVWorker,
     NixlUnavailableError,
