@@ -1,0 +1,155 @@
+"""Where a decode step's time goes at serving concurrency (issue 41 item 4): attention vs
+GEMMs vs the rest on the GPU, and the host's share of the wall time.
+
+C requests of P-token prompts (benchmarks/throughput.py's engine: the KV pool sized from free
+memory, GPU features on, fixed depth) are added at once and stepped until every one decodes;
+then --steps steps are timed bare (wall per step, tokens per step), and the same number again
+under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
+split by kernel family, the top kernels, and each Operation's batches and rows. A second
+window runs under cProfile for the host's top functions.
+
+GPU: python benchmarks/profile_gpu.py [--cs 32,64] [--prompt-len 1024] [--steps 60]
+     [--kv-cache-dtype auto|fp8_e4m3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (the table's engine and workload, one definition)
+
+from loopserve.bench.crossover import machine  # noqa: E402
+from loopserve.bench.dataset import random_requests  # noqa: E402
+
+FAMILIES = [  # first match wins; the rest is "other" (norms, activations, rotary, sampling)
+    ("attention", re.compile(r"paged_attn|merge_splits|attention|flash", re.I)),
+    ("kv write", re.compile(r"write_kv", re.I)),
+    ("fused loop", re.compile(r"fused|ouro_loop", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90|sm100|cublas|matmul|splitk", re.I)),
+    ("copy/memset", re.compile(r"memcpy|memset|copy", re.I)),
+]
+
+
+def family(name: str) -> str:
+    return next((f for f, rx in FAMILIES if rx.search(name)), "other")
+
+
+def steady(engine, prompts: list[list[int]], sp, prefix: str) -> list[str]:
+    """Add the requests and step until each has a token (all prefills done); their ids."""
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(p, sp, request_id=rid)
+    seen: set[str] = set()
+    while len(seen) < len(prompts):
+        for o in engine.step():
+            if o.new_token_ids:
+                seen.add(o.request_id)
+            if o.finished:
+                raise RuntimeError(f"{o.request_id} ended during the warm-up: raise --output-len")
+    return ids
+
+
+def sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def window(engine, steps: int) -> tuple[float, int, Counter, float]:
+    """Wall seconds, output tokens, batches per Operation, and mean rows of a RECURRENT batch
+    over `steps` steps."""
+    b0, loops0 = Counter(engine.counters.batches), engine.counters.loops_run
+    tokens = 0
+    sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    sync(engine)
+    wall = time.perf_counter() - t0
+    batches = Counter(engine.counters.batches)
+    batches.subtract(b0)
+    rows = (engine.counters.loops_run - loops0) / max(1, batches["RECURRENT"])
+    return wall, tokens, batches, rows
+
+
+def profile_c(table, prompts: list[list[int]], c: int, steps: int) -> None:
+    engine = table.engine
+    sp = throughput.params("fixed", table.args, table.max_loops, table.args.output_len)
+    ids = steady(engine, prompts[:c], sp, f"c{c}-")
+    wall, tokens, batches, rows = window(engine, steps)
+    print(f"\n## C={c}, P={table.args.prompt_len}: {wall / steps * 1e3:.3f} ms/step wall, {tokens / steps:.2f} "
+          f"tokens/step, {tokens / wall:.1f} tok/s; batches {dict(batches)}, {rows:.1f} rows per RECURRENT",
+          flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        pwall, _, _, _ = window(engine, steps)
+    cuda = engine.device.type == "cuda"
+    evs = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    if not cuda:  # the smoke run: CPU op time stands in
+        for e in evs:
+            e.self_device_time_total = e.self_cpu_time_total
+    busy = sum(e.self_device_time_total for e in evs) / 1e3  # ms
+    fam: Counter = Counter()
+    for e in evs:
+        fam[family(e.key)] += e.self_device_time_total / 1e3
+    print(f"GPU busy {busy / steps:.3f} ms/step of {pwall / steps * 1e3:.3f} wall under the profiler "
+          f"({busy / (pwall * 1e3):.0%}); bare wall {wall / steps * 1e3:.3f}")
+    print("by family (ms/step, share of busy): " + ", ".join(
+        f"{f} {t / steps:.3f} ({t / busy:.0%})" for f, t in fam.most_common()))
+    print(f"{'kernel':<90} {'ms/step':>8} {'calls/step':>10} {'us/call':>8}")
+    for e in sorted(evs, key=lambda e: -e.self_device_time_total)[:22]:
+        t = e.self_device_time_total / 1e3
+        print(f"{e.key[:90]:<90} {t / steps:>8.3f} {e.count / steps:>10.1f} {t * 1e3 / max(1, e.count):>8.1f}")
+    cp = cProfile.Profile()
+    cp.enable()
+    window(engine, steps)
+    cp.disable()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(16)
+    print("host, cProfile by own time:\n" + "\n".join(buf.getvalue().splitlines()[4:30]), flush=True)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cs", default="32,64")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--model", default="ouro-1.4b-shape")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: a smoke run of the script (busy is then CPU op time)")
+    a = p.parse_args(argv)
+    cs = [int(x) for x in a.cs.split(",") if x]
+    # throughput's own arguments for its Table; output long enough that no request ends in a window
+    args = throughput.parse_args(["--model", a.model, "--device", a.device, "--cs", a.cs, "--prompt-lens", str(a.prompt_len),
+                                  "--output-len", str(4 * a.steps + 64), "--kv-cache-dtype", a.kv_cache_dtype])
+    args.prompt_len = a.prompt_len
+    print("command: python", " ".join(sys.argv))
+    print("machine:", machine(), flush=True)
+    table = throughput.Table(args)
+    cs = [c for c in cs if c <= table.holds(a.prompt_len)] or [1]
+    table.start(max(cs))
+    prompts = [r.prompt for r in random_requests(max(cs), a.prompt_len, 1, seed=1)]
+    print(f"pool {table.num_blocks} blocks; holds {table.holds(a.prompt_len)} requests; KV {a.kv_cache_dtype}")
+    for c in cs:
+        profile_c(table, prompts, c, a.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
