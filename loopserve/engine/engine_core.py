@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from loopserve.engine import handoff
 from loopserve.engine.acceptance import CodaAcceptance
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.counters import EngineCounters
 from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.intake import Intake
 from loopserve.engine.model_runner import ModelRunner
@@ -27,6 +27,7 @@ from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import EngineCounters, EngineStats, PoolUsage, PrefixCacheStats
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.model.registry import resolve_model
@@ -321,17 +322,17 @@ class EngineCore:
         return spec.draft_loops if spec else 0
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         u = self.kv_manager.usage()
-        return {
-            "kv": {"looped": u.looped.__dict__, "flat": u.flat.__dict__},
-            "kv_planes": list(u.planes),
-            "scheduler": self.scheduler.stats(),
-            "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
-            "prefix_cache": {**self.kv_manager.prefix_stats.__dict__,
-                             "cached_blocks": len(self.kv_manager.prefix),
-                             "evicted_blocks": self.kv_manager.prefix.num_evicted},
-        }
+        prefix = self.kv_manager.prefix
+        return EngineStats(
+            looped=PoolUsage(u.looped.used, u.looped.free, u.looped.total),
+            flat=PoolUsage(u.flat.used, u.flat.free, u.flat.total),
+            planes=tuple(u.planes), scheduler=self.scheduler.stats(),
+            counters=replace(self.counters, batches=dict(self.counters.batches)),
+            prefix_cache=PrefixCacheStats(self.kv_manager.prefix_stats.queries, self.kv_manager.prefix_stats.hits,
+                                          len(prefix), prefix.num_evicted),
+        )
 
     def check_no_leaks(self) -> None:
         """Pool accounting, and (when idle) every block unreferenced (free, or cached for later

@@ -19,6 +19,7 @@ from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.stats import WorkerStats
 from loopserve.kv_cache import CacheEvents
 from loopserve.worker_host.engine_lock import EngineLock
 from loopserve.protocol.events import WorkerEvents, WorkerLoad
@@ -198,7 +199,7 @@ class EngineHost:
         extra_queue, extra_blocks = self._unplaced()
         self._load = WorkerLoad(
             worker_id=self.worker_id, role=self.role,
-            queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
+            queue_depth=s.num_waiting + extra_queue, running=s.num_running,
             free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
             accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
         )
@@ -212,9 +213,15 @@ class EngineHost:
         return self.engine.prefix_keyer
 
     def stats(self) -> dict:
+        """`WorkerStats.to_dict()`: plain data over any launcher (the handle rebuilds it)."""
         with self._lock:
-            return {"worker_id": self.worker_id, "role": self.role, "accepted": self._accepted,
-                    "error": self.engine.error, **self.engine.stats()}
+            return self._stats().to_dict()
+
+    def _stats(self) -> WorkerStats:
+        """This worker's stats (engine lock held); a role adds its own part."""
+        error = self.engine.error
+        return WorkerStats(self.worker_id, self.role, healthy=error is None, error=error,
+                           accepted=self._accepted, engine=self.engine.stats())
 
     def health(self) -> dict:
         alive = self._thread.is_alive()

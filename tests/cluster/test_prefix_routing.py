@@ -75,8 +75,8 @@ def test_requests_sharing_a_system_prompt_go_where_it_is_cached():
         _run(router, [systems[i % 2] + [rng.randrange(0, 256) for _ in range(5)] for i in range(8)])
         stats = [h.stats() for h in handles]
         # each worker served one system prompt: its 3 later turns hit all 48 of its blocks
-        assert [s["accepted"] for s in stats] == [4, 4]
-        assert [s["prefix_cache"]["hits"] for s in stats] == [3 * 192] * 2
+        assert [s.accepted for s in stats] == [4, 4]
+        assert [s.engine.prefix_cache.hits for s in stats] == [3 * 192] * 2
         assert router.metrics.routed_cached_tokens._value.get() == 6 * 192
     finally:
         router.close()
@@ -125,8 +125,8 @@ def test_short_uncached_prompts_prefill_on_their_decode_worker(pd_1p2d):
         got = _run(router, prompts)
         routed = router.metrics.routed
         assert (routed.labels("local")._value.get(), routed.labels("remote")._value.get()) == (2, 1)
-        assert p.stats()["accepted"] == 1
-        assert sum(d.stats()["accepted"] for d in ds) == 3  # 2 local + 1 handoff
+        assert p.stats().accepted == 1
+        assert sum(d.stats().accepted for d in ds) == 3  # 2 local + 1 handoff
     finally:
         router.close()
     ref_router = Router([ref], poll_s=0.1).start()
@@ -146,9 +146,9 @@ def test_a_handoff_goes_to_the_decode_worker_holding_its_prefix(pd_1p2d):
     router = Router([p], ds, poll_s=0.1).start()
     try:
         _run(router, [system + [1, 2, 3], system + [4, 5, 6, 7]])
-        accepted = sorted(d.stats()["accepted"] for d in ds)
+        accepted = sorted(d.stats().accepted for d in ds)
         assert accepted == [0, 2]
-        holder = max(ds, key=lambda d: d.stats()["accepted"])
-        assert holder.stats()["prefix_cache"]["hits"] == 96
+        holder = max(ds, key=lambda d: d.stats().accepted)
+        assert holder.stats().engine.prefix_cache.hits == 96
     finally:
         router.close()

@@ -53,6 +53,7 @@ from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import WorkerStats
 from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
 
 log = logging.getLogger(__name__)
@@ -579,14 +580,14 @@ class Router:
             pass
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, WorkerStats]:
         """Every worker's stats, within `deadline_s` of this call (blocking; call from a thread).
         A worker that has not answered by then is reported as such."""
         calls = self._stats_calls()
         wait_futures(calls.values(), timeout=self.deadline_s)
         return self._stats_of(calls)
 
-    async def stats_async(self) -> dict[str, dict]:
+    async def stats_async(self) -> dict[str, WorkerStats]:
         """`stats()` for an event loop: no thread is taken while the workers answer."""
         calls = self._stats_calls()
         waits = [asyncio.wrap_future(f) for f in calls.values()]
@@ -606,13 +607,14 @@ class Router:
             for w in self._workers.values():
                 f = w.stats_call
                 if f is None or f.done():
-                    f = w.stats_call = w.observer.submit(_safe, w.handle.stats, timeout=self.deadline_s)
+                    f = w.stats_call = w.observer.submit(_ask_stats, w.handle, self.deadline_s)
                 calls[w.id] = f
         return calls
 
-    def _stats_of(self, calls: dict[str, Future]) -> dict[str, dict]:
-        silent = {"ok": False, "error": f"did not answer within {self.deadline_s:g} s of the call"}
-        return {w.id: {"role": w.handle.role, **(calls[w.id].result() if calls[w.id].done() else silent)}
+    def _stats_of(self, calls: dict[str, Future]) -> dict[str, WorkerStats]:
+        silent = f"did not answer within {self.deadline_s:g} s of the call"
+        return {w.id: calls[w.id].result() if calls[w.id].done()
+                else WorkerStats.unanswered(w.id, w.handle.role, silent)
                 for w in self._workers.values()}
 
     def health(self) -> dict[str, dict]:
@@ -653,9 +655,9 @@ def _preferred(workers: list[WorkerState], avoid: set[str]) -> list[WorkerState]
     return [w for w in healthy if w.id not in avoid] or healthy
 
 
-def _safe(fn, **kw) -> dict:
+def _ask_stats(handle: WorkerHandle, timeout: float) -> WorkerStats:
     try:
-        return fn(**kw)
-    except Exception as e:  # noqa: BLE001 - reported as data: stats/health of a dead worker
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return handle.stats(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - reported as data: the stats of a dead worker
+        return WorkerStats.unanswered(handle.worker_id, handle.role, f"{type(e).__name__}: {e}")
 
