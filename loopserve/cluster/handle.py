@@ -14,6 +14,7 @@ from typing import Any
 
 from loopserve.protocol.events import WorkerEvents
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.protocol.stats import WorkerStats
@@ -40,6 +41,9 @@ class WorkerHandle(ABC):
 
     def add_peer(self, info: dict) -> None:
         self._call("add_peer", info)
+
+    def model_limits(self) -> ModelLimits:
+        return self._call("model_limits")
 
     def prefix_keyer(self) -> PrefixKeyer | None:
         return self._call("prefix_keyer")

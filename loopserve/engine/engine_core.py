@@ -24,6 +24,7 @@ from loopserve.engine.readback import UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.intmath import cdiv
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
@@ -50,8 +51,8 @@ class EngineCore:
         self.model = model if model is not None else resolve_model(
             config.model, dtype=dtype, device=self.device, seed=config.seed
         )
-        self.tokenizer = load_tokenizer(tokenizer_file(config.tokenizer, config.model),
-                                        vocab_size=self.model.vocab_size)
+        tokenizer = tokenizer_file(config.tokenizer, config.model)
+        self.tokenizer = load_tokenizer(tokenizer, vocab_size=self.model.vocab_size)
         sc = config.scheduler
         if getattr(self.model, "last_loop_kv", False) and (sc.split_prefill or sc.speculative):
             # Within one piece, loop d of a token reads the earlier tokens' loop-d K/V; the
@@ -67,17 +68,18 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.layout, incremental=sc.incremental_kv)
         seeded = self.model.prefix_cache_seeded() if config.enable_prefix_caching else None
         d = self.model.default_loop_params
+        self.limits = ModelLimits(config.model, tokenizer, config.max_model_len, self.model.vocab_size,
+                                  (d.min_loops, d.max_loops, d.exit_threshold), self.max_loops)
         self.prefix_keyer: PrefixKeyer | None = None if seeded is None else PrefixKeyer(
             config.model, config.dtype, config.kv_cache_dtype, config.block_size,
-            (d.min_loops, d.max_loops, d.exit_threshold),
-            self.max_loops, tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
+            tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
         self.scheduler = Scheduler(sc.model_copy(update={"coda_writes_kv": self.model.coda_writes_kv}),
                                    self.kv_manager)
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device,
                                   KV_CACHE_DTYPES[config.kv_cache_dtype])
         paths = GpuPaths.resolve(config, self.device)
         self.runner.use_paths(paths, config.model, sc.max_num_seqs, cdiv(config.max_model_len, config.block_size))
-        self.intake = Intake(config, self.model, self.tokenizer, self.prefix_keyer)
+        self.intake = Intake(config, self.limits, self.model, self.tokenizer, self.prefix_keyer)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.acceptance = CodaAcceptance(self.runner, self.counters, paths.defer_readback)

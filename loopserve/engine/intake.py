@@ -16,6 +16,7 @@ import torch
 from loopserve.engine import handoff
 from loopserve.engine.config import EngineConfig
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.engine.request import Request
 from loopserve.protocol.sampling_params import SamplingParams
@@ -24,9 +25,9 @@ from loopserve.scheduler import SchedRequest
 
 
 class Intake:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: ByteTokenizer | HFTokenizer,
-                 prefix_keyer: PrefixKeyer | None) -> None:
-        self.max_model_len = config.max_model_len
+    def __init__(self, config: EngineConfig, limits: ModelLimits, model: torch.nn.Module,
+                 tokenizer: ByteTokenizer | HFTokenizer, prefix_keyer: PrefixKeyer | None) -> None:
+        self.limits = limits
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_keyer = prefix_keyer
@@ -42,21 +43,10 @@ class Intake:
             raise ValueError("request_id must be a non-empty string")
         if rid in in_use:
             raise ValueError(f"request_id {rid!r} is already in use")
+        # A routed request comes as token ids with its loops resolved: the router checked it
+        # against these same limits (a text prompt here is a direct caller's: LLM, tests).
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        limit = self.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be <= "
-                f"max_model_len ({limit})"
-            )
-        d = self.model.default_loop_params
-        params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.model.max_loops)
+        params = self.limits.check(ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
                       eos_token_id=self.tokenizer.eos_token_id)

@@ -15,6 +15,7 @@ import threading
 
 from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.protocol.handoff import HandoffMessage
@@ -207,6 +208,10 @@ class EngineHost:
     def _unplaced(self) -> tuple[int, int]:
         """Work accepted but not yet in the scheduler: (requests, looped blocks it will take)."""
         return 0, 0
+
+    def model_limits(self) -> ModelLimits:
+        """What this engine accepts of a request, for the router to check requests against."""
+        return self.engine.limits
 
     def prefix_keyer(self) -> PrefixKeyer | None:
         """How this engine keys its prefix cache (None: caching is off), for the router."""

@@ -45,12 +45,12 @@ def test_router_keys_equal_the_engines(seed):
         text = "the same system prompt, then a question " * 3
         rid = engine.add_request(text, params)
         mine = engine.scheduler.get_request(rid).request.block_hashes
-        routed = _Prompt(engine.tokenizer.encode(text), params).keys(engine.prefix_keyer)
+        ids = engine.tokenizer.encode(text)
+        routed = _Prompt(ids, engine.limits.check(ids, params)).keys(engine.prefix_keyer)
         if engine.prefix_keyer.seeded and seed is None:  # the engine draws the seed: unknown here
             assert routed == () and mine
         else:
             assert routed == mine and len(mine) == len(engine.tokenizer.encode(text)) // ENGINE["block_size"]
-        assert _Prompt([1, 2, 3, 10**30], params).keys(engine.prefix_keyer) == ()  # refused later
     finally:
         engine.shutdown()
 
@@ -94,7 +94,7 @@ def test_events_past_the_buffer_fold_into_a_snapshot(monkeypatch):
         engine = handle.host.engine
         assert router._prefixes.num_blocks("fold") == len(engine.kv_manager.prefix) == 40
         keyer = engine.prefix_keyer
-        assert router._cached_tokens(_Prompt(prompts[-1], GREEDY), router._entry) == {"fold": 40}
+        assert router._cached_tokens(router._check(prompts[-1], GREEDY), router._entry) == {"fold": 40}
         assert keyer.block_size == ENGINE["block_size"]
     finally:
         router.close()
