@@ -95,9 +95,9 @@ class EngineCore:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; ValueError names the bad field and its limit."""
         self._check_alive()
-        req = self.intake.request(prompt, params, request_id, arrival_time, self.requests)
+        req, sched = self.intake.request(prompt, params, request_id, arrival_time, self.requests)
         # KVCapacityError if it can never fit, QueueFullError beyond max_waiting
-        self.scheduler.add_request(self.intake.sched_request(req))
+        self.scheduler.add_request(sched)
         self.requests[req.request_id] = req
         self.counters.prompt_tokens += req.prompt_len
         return req.request_id
@@ -260,8 +260,8 @@ class EngineCore:
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
         self._check_alive()
-        req = self.intake.handoff(h, self.requests)
-        if not self.scheduler.add_receiving(self.intake.sched_request(req), h.num_kv_tokens):
+        req, sched = self.intake.handoff(h, self.requests)
+        if not self.scheduler.add_receiving(sched, h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req
         # Zero fresh blocks now, before the KV read lands in them; the READ does not queue

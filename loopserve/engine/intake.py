@@ -35,8 +35,9 @@ class Intake:
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
 
     def request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                arrival_time: float | None, in_use: Container[str]) -> Request:
-        """A validated Request, its loop parameters resolved and its seed drawn."""
+                arrival_time: float | None, in_use: Container[str]) -> tuple[Request, SchedRequest]:
+        """A validated Request, its loop parameters resolved and its seed drawn, and what the
+        scheduler sees of it."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
@@ -52,15 +53,17 @@ class Intake:
                       eos_token_id=self.tokenizer.eos_token_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        return req
+        return req, self._sched_request(req)
 
-    def handoff(self, h: HandoffMessage, in_use: Container[str]) -> Request:
-        """Decode role: the request a prefill engine handed over, as it left it."""
+    def handoff(self, h: HandoffMessage, in_use: Container[str]) -> tuple[Request, SchedRequest]:
+        """Decode role: the request a prefill engine handed over, as it left it, and what the
+        scheduler sees of it."""
         if h.request_id in in_use:
             raise ValueError(f"request_id {h.request_id!r} is already in use")
-        return handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
+        req = handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
+        return req, self._sched_request(req)
 
-    def sched_request(self, req: Request) -> SchedRequest:
+    def _sched_request(self, req: Request) -> SchedRequest:
         """What the scheduler sees of a request (with its prefix-cache keys)."""
         p = req.params
         return SchedRequest(
