@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
