@@ -37,7 +37,7 @@ def run(model, name: str, policy: str, args, defer: bool = True) -> tuple[float,
     while engine.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     dt = time.perf_counter() - t0
-    return tokens / dt, engine.stats()["counters"]
+    return tokens / dt, engine.stats().counters
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
         best = max((run(model, args.model, policy, args, defer) for _ in range(args.repeats)), key=lambda r: r[0])
         results[label] = best
         c = best[1]
-        print(f"{label:11s} {best[0]:9.1f} tok/s  batches={c['batches']}  loops_run={c['loops_run']}")
+        print(f"{label:11s} {best[0]:9.1f} tok/s  batches={c.batches}  loops_run={c.loops_run}")
     print(f"ratio refill/no_refill = {results['refill'][0] / results['no_refill'][0]:.2f}x")
     if args.sync_readback:
         print(f"ratio refill deferred/immediate read-back = {results['refill'][0] / results['refill-sync'][0]:.2f}x")

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.stats import WorkerStats
 
 PREFIX = "loopserve:"
 # vLLM's buckets for the same histograms.
@@ -152,12 +153,12 @@ class WorkerCollector(Collector):
     """Gauges and counters from every worker's stats() at scrape time (`stats` blocks on the
     workers: render the registry off the event loop, or fetch them first: `given`)."""
 
-    def __init__(self, stats: Callable[[], dict[str, dict]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, WorkerStats]]) -> None:
         self._stats = stats
         self._given = threading.local()  # stats fetched by this thread's caller (`given`)
 
     @contextlib.contextmanager
-    def given(self, stats: dict[str, dict]) -> Iterator[None]:
+    def given(self, stats: dict[str, WorkerStats]) -> Iterator[None]:
         """Render with `stats` already fetched (asynchronously) instead of calling the workers."""
         self._given.stats = stats
         try:
@@ -202,38 +203,36 @@ class WorkerCollector(Collector):
         leases = counter("kv_leases_expired", "Prefill side: handoffs freed because their reader "
                          "stopped renewing the lease.")
         for worker, s in sorted(stats.items()):
-            lab = [worker, s.get("role", "")]
-            healthy.add_metric(lab, float("kv" in s and s.get("error") is None))
-            if "kv" not in s:  # it did not answer
+            lab = [worker, s.role]
+            healthy.add_metric(lab, float(s.healthy))
+            if (e := s.engine) is None:  # it did not answer
                 continue
-            sched, c = s["scheduler"], s["counters"]
-            running.add_metric(lab, sched["num_running"])
-            waiting.add_metric(lab, sched["num_waiting"])
-            receiving.add_metric(lab, sched["num_receiving"])
-            transferring.add_metric(lab, sched["num_transferring"])
-            for pool, u in s["kv"].items():
-                if u["total"]:
-                    usage.add_metric(lab + [pool], u["used"] / u["total"])
-                    used.add_metric(lab + [pool], u["used"])
-            looped_total = s["kv"]["looped"]["total"]
-            for plane, n in enumerate(s.get("kv_planes", ())):
+            running.add_metric(lab, e.scheduler.num_running)
+            waiting.add_metric(lab, e.scheduler.num_waiting)
+            receiving.add_metric(lab, e.scheduler.num_receiving)
+            transferring.add_metric(lab, e.scheduler.num_transferring)
+            for pool, u in e.pools().items():
+                if u.total:
+                    usage.add_metric(lab + [pool], u.used / u.total)
+                    used.add_metric(lab + [pool], u.used)
+            for plane, n in enumerate(e.planes):
                 plane_used.add_metric(lab + ["looped", str(plane)], n)
-                if looped_total:
-                    plane_usage.add_metric(lab + ["looped", str(plane)], n / looped_total)
-            loops.add_metric(lab, c["loops_run"])
-            preemptions.add_metric(lab, c["preemptions"])
-            pc_queries.add_metric(lab, s["prefix_cache"]["queries"])
-            pc_hits.add_metric(lab, s["prefix_cache"]["hits"])
-            if r := s.get("kv_reads"):
-                reads.add_metric(lab, r["count"])
-                read_fail.add_metric(lab, r["failed"])
-                read_bytes.add_metric(lab, r["bytes"])
-                read_s.add_metric(lab, r["seconds"])
-            if h := s.get("handoff_latency"):
-                buckets = [(repr(float(le)), n) for le, n in zip(h["le"], h["counts"])]
-                handoff.add_metric(lab, buckets + [("+Inf", h["count"])], h["sum"])
-            if "leases_expired" in s:
-                leases.add_metric(lab, s["leases_expired"])
+                if e.looped.total:
+                    plane_usage.add_metric(lab + ["looped", str(plane)], n / e.looped.total)
+            loops.add_metric(lab, e.counters.loops_run)
+            preemptions.add_metric(lab, e.counters.preemptions)
+            pc_queries.add_metric(lab, e.prefix_cache.queries)
+            pc_hits.add_metric(lab, e.prefix_cache.hits)
+            if (d := s.decode) is not None:
+                reads.add_metric(lab, d.kv_reads.count)
+                read_fail.add_metric(lab, d.kv_reads.failed)
+                read_bytes.add_metric(lab, d.kv_reads.bytes)
+                read_s.add_metric(lab, d.kv_reads.seconds)
+                h = d.handoff_latency
+                buckets = [(repr(float(le)), n) for le, n in zip(h.le, h.counts)]
+                handoff.add_metric(lab, buckets + [("+Inf", h.count)], h.sum)
+            if s.prefill is not None:
+                leases.add_metric(lab, s.prefill.leases_expired)
         yield from (healthy, running, waiting, receiving, transferring, usage, used, plane_used,
                     plane_usage, loops, preemptions, pc_queries, pc_hits, reads, read_fail,
                     read_bytes, read_s, handoff, leases)

@@ -206,7 +206,7 @@ class PrefillProcess:
 
 # ---------------------------------------------------------------------- decode side (here)
 def _time_prefill(d: EngineCore, ids: list[int], rid: str) -> float:
-    hits = d.stats()["prefix_cache"]["hits"]
+    hits = d.stats().prefix_cache.hits
     _sync(d)
     t0 = time.perf_counter()
     d.add_request(ids, _full_depth(d, 1), request_id=rid)
@@ -215,7 +215,7 @@ def _time_prefill(d: EngineCore, ids: list[int], rid: str) -> float:
     _sync(d)
     dt = time.perf_counter() - t0
     _drain(d)
-    if d.stats()["prefix_cache"]["hits"] != hits:
+    if d.stats().prefix_cache.hits != hits:
         raise RuntimeError(f"{rid}: the prompt hit the prefix cache; prefill(n) must be uncached")
     return dt
 

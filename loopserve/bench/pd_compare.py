@@ -90,7 +90,7 @@ def _reads(cluster: Cluster) -> dict:
     for h in cluster.handles:
         if h.role == "decode":
             for k in total:
-                total[k] += h.stats()["kv_reads"][k]
+                total[k] += getattr(h.stats().decode.kv_reads, k)
     return total
 
 

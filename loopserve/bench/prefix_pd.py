@@ -101,10 +101,10 @@ def _counters(cluster: Cluster) -> dict[str, float]:
     out = {"prefix_queries": 0.0, "prefix_hits": 0.0, "read_bytes": 0.0}
     for h in cluster.handles:
         s = h.stats()
-        out["prefix_queries"] += s["prefix_cache"]["queries"]
-        out["prefix_hits"] += s["prefix_cache"]["hits"]
-        if h.role == "decode":
-            out["read_bytes"] += s["kv_reads"]["bytes"]
+        out["prefix_queries"] += s.engine.prefix_cache.queries
+        out["prefix_hits"] += s.engine.prefix_cache.hits
+        if s.decode is not None:
+            out["read_bytes"] += s.decode.kv_reads.bytes
     registry = cluster.router.metrics.registry
     for where in ("local", "remote"):
         out[f"prefill_{where}"] = registry.get_sample_value(

@@ -9,7 +9,6 @@ from loopserve.cluster.config import ClusterConfig
 from loopserve.cluster.handle import WorkerHandle
 from loopserve.cluster.placement import launch, stop_all
 from loopserve.cluster.router.core import Router
-from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +30,10 @@ class Cluster:
             entry = [h for h in self.handles if h.role in ("prefill", "colocated")]
             decode = [h for h in self.handles if h.role == "decode"]
             server = self.config.server
-            engine = self.config.engine_config(self.config.roles()[0])
-            tokenizer = load_tokenizer(tokenizer_file(engine.tokenizer, engine.model))
             self.router = Router(entry, decode, poll_s=server.poll_s,
                                  max_migrations=server.max_migrations,
                                  deadline_s=server.worker_deadline_s,
-                                 fail_s=server.worker_fail_s, tokenize=tokenizer.encode,
+                                 fail_s=server.worker_fail_s,
                                  policy=server.routing.build(),
                                  local_prefill_tokens=server.local_prefill_tokens).start()
         except BaseException:

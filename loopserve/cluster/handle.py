@@ -14,8 +14,10 @@ from typing import Any
 
 from loopserve.protocol.events import WorkerEvents
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import WorkerStats
 
 
 class WorkerHandle(ABC):
@@ -40,6 +42,9 @@ class WorkerHandle(ABC):
     def add_peer(self, info: dict) -> None:
         self._call("add_peer", info)
 
+    def model_limits(self) -> ModelLimits:
+        return self._call("model_limits")
+
     def prefix_keyer(self) -> PrefixKeyer | None:
         return self._call("prefix_keyer")
 
@@ -57,8 +62,8 @@ class WorkerHandle(ABC):
     def abort(self, request_id: str, timeout: float = 10.0) -> bool:
         return self._call("abort", request_id, timeout=timeout)  # bounded: the worker may hang
 
-    def stats(self, timeout: float | None = None) -> dict:
-        return self._call("stats", timeout=timeout)
+    def stats(self, timeout: float | None = None) -> WorkerStats:
+        return WorkerStats.from_dict(self._call("stats", timeout=timeout))
 
     def health(self, timeout: float | None = None) -> dict:
         return self._call("health", timeout=timeout)

@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 
 from loopserve.kv_transfer.leases import ReceiveTracker
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
+from loopserve.protocol.stats import DecodeStats, HandoffLatency, KVReadStats, WorkerStats
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
@@ -213,9 +215,8 @@ class DecodeWorker(TransferHost):
                 return True
         return super()._abort_locked(request_id)
 
-    def stats(self) -> dict:
-        with self._lock:
-            h = self.handoff_latency
-            return {**super().stats(), "kv_reads": dict(self.reads),
-                    "handoff_latency": {**h, "counts": list(h["counts"])},
-                    "inbox": len(self._inbox), "reading": len(self._reading)}
+    def _stats(self) -> WorkerStats:
+        h = self.handoff_latency
+        return replace(super()._stats(), decode=DecodeStats(
+            KVReadStats(**self.reads), HandoffLatency(tuple(h["le"]), tuple(h["counts"]), h["count"], h["sum"]),
+            inbox=len(self._inbox), reading=len(self._reading)))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from loopserve.engine.counters import EngineCounters
 from loopserve.engine.model_runner import ModelRunner
 from loopserve.engine.readback import UNREAD, UnreadBatch
 from loopserve.engine.request import Request
 from loopserve.engine.sampler import draw_tokens
+from loopserve.protocol.stats import EngineCounters
 from loopserve.scheduler import BatchItem, ItemResult
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from loopserve.engine import handoff
 from loopserve.engine.acceptance import CodaAcceptance
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.counters import EngineCounters
 from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.intake import Intake
 from loopserve.engine.model_runner import ModelRunner
@@ -24,9 +24,11 @@ from loopserve.engine.readback import UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.intmath import cdiv
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import EngineCounters, EngineStats, PoolUsage, PrefixCacheStats
 from loopserve.kv_cache import BlockTable, KVCacheManager, KVLayout
 from loopserve.model.paged_kv import KV_CACHE_DTYPES
 from loopserve.model.registry import resolve_model
@@ -49,8 +51,8 @@ class EngineCore:
         self.model = model if model is not None else resolve_model(
             config.model, dtype=dtype, device=self.device, seed=config.seed
         )
-        self.tokenizer = load_tokenizer(tokenizer_file(config.tokenizer, config.model),
-                                        vocab_size=self.model.vocab_size)
+        tokenizer = tokenizer_file(config.tokenizer, config.model)
+        self.tokenizer = load_tokenizer(tokenizer, vocab_size=self.model.vocab_size)
         sc = config.scheduler
         if getattr(self.model, "last_loop_kv", False) and (sc.split_prefill or sc.speculative):
             # Within one piece, loop d of a token reads the earlier tokens' loop-d K/V; the
@@ -66,17 +68,18 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.layout, incremental=sc.incremental_kv)
         seeded = self.model.prefix_cache_seeded() if config.enable_prefix_caching else None
         d = self.model.default_loop_params
+        self.limits = ModelLimits(config.model, tokenizer, config.max_model_len, self.model.vocab_size,
+                                  (d.min_loops, d.max_loops, d.exit_threshold), self.max_loops)
         self.prefix_keyer: PrefixKeyer | None = None if seeded is None else PrefixKeyer(
             config.model, config.dtype, config.kv_cache_dtype, config.block_size,
-            (d.min_loops, d.max_loops, d.exit_threshold),
-            self.max_loops, tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
+            tuple(self.model.kv_planes(m) for m in range(1, self.max_loops + 1)), seeded)
         self.scheduler = Scheduler(sc.model_copy(update={"coda_writes_kv": self.model.coda_writes_kv}),
                                    self.kv_manager)
         self.runner = ModelRunner(self.model, self.layout, dtype, self.device,
                                   KV_CACHE_DTYPES[config.kv_cache_dtype])
         paths = GpuPaths.resolve(config, self.device)
         self.runner.use_paths(paths, config.model, sc.max_num_seqs, cdiv(config.max_model_len, config.block_size))
-        self.intake = Intake(config, self.model, self.tokenizer, self.prefix_keyer)
+        self.intake = Intake(config, self.limits, self.model, self.tokenizer, self.prefix_keyer)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.acceptance = CodaAcceptance(self.runner, self.counters, paths.defer_readback)
@@ -92,9 +95,9 @@ class EngineCore:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; ValueError names the bad field and its limit."""
         self._check_alive()
-        req = self.intake.request(prompt, params, request_id, arrival_time, self.requests)
+        req, sched = self.intake.request(prompt, params, request_id, arrival_time, self.requests)
         # KVCapacityError if it can never fit, QueueFullError beyond max_waiting
-        self.scheduler.add_request(self.intake.sched_request(req))
+        self.scheduler.add_request(sched)
         self.requests[req.request_id] = req
         self.counters.prompt_tokens += req.prompt_len
         return req.request_id
@@ -257,8 +260,8 @@ class EngineCore:
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
         self._check_alive()
-        req = self.intake.handoff(h, self.requests)
-        if not self.scheduler.add_receiving(self.intake.sched_request(req), h.num_kv_tokens):
+        req, sched = self.intake.handoff(h, self.requests)
+        if not self.scheduler.add_receiving(sched, h.num_kv_tokens):
             return None
         self.requests[h.request_id] = req
         # Zero fresh blocks now, before the KV read lands in them; the READ does not queue
@@ -321,17 +324,17 @@ class EngineCore:
         return spec.draft_loops if spec else 0
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         u = self.kv_manager.usage()
-        return {
-            "kv": {"looped": u.looped.__dict__, "flat": u.flat.__dict__},
-            "kv_planes": list(u.planes),
-            "scheduler": self.scheduler.stats(),
-            "counters": {**self.counters.__dict__, "batches": dict(self.counters.batches)},
-            "prefix_cache": {**self.kv_manager.prefix_stats.__dict__,
-                             "cached_blocks": len(self.kv_manager.prefix),
-                             "evicted_blocks": self.kv_manager.prefix.num_evicted},
-        }
+        prefix = self.kv_manager.prefix
+        return EngineStats(
+            looped=PoolUsage(u.looped.used, u.looped.free, u.looped.total),
+            flat=PoolUsage(u.flat.used, u.flat.free, u.flat.total),
+            planes=tuple(u.planes), scheduler=self.scheduler.stats(),
+            counters=replace(self.counters, batches=dict(self.counters.batches)),
+            prefix_cache=PrefixCacheStats(self.kv_manager.prefix_stats.queries, self.kv_manager.prefix_stats.hits,
+                                          len(prefix), prefix.num_evicted),
+        )
 
     def check_no_leaks(self) -> None:
         """Pool accounting, and (when idle) every block unreferenced (free, or cached for later

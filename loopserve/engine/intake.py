@@ -16,6 +16,7 @@ import torch
 from loopserve.engine import handoff
 from loopserve.engine.config import EngineConfig
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.engine.request import Request
 from loopserve.protocol.sampling_params import SamplingParams
@@ -24,9 +25,9 @@ from loopserve.scheduler import SchedRequest
 
 
 class Intake:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: ByteTokenizer | HFTokenizer,
-                 prefix_keyer: PrefixKeyer | None) -> None:
-        self.max_model_len = config.max_model_len
+    def __init__(self, config: EngineConfig, limits: ModelLimits, model: torch.nn.Module,
+                 tokenizer: ByteTokenizer | HFTokenizer, prefix_keyer: PrefixKeyer | None) -> None:
+        self.limits = limits
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_keyer = prefix_keyer
@@ -34,43 +35,35 @@ class Intake:
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
 
     def request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                arrival_time: float | None, in_use: Container[str]) -> Request:
-        """A validated Request, its loop parameters resolved and its seed drawn."""
+                arrival_time: float | None, in_use: Container[str]) -> tuple[Request, SchedRequest]:
+        """A validated Request, its loop parameters resolved and its seed drawn, and what the
+        scheduler sees of it."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
         if rid in in_use:
             raise ValueError(f"request_id {rid!r} is already in use")
+        # A routed request comes as token ids with its loops resolved: the router checked it
+        # against these same limits (a text prompt here is a direct caller's: LLM, tests).
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        limit = self.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be <= "
-                f"max_model_len ({limit})"
-            )
-        d = self.model.default_loop_params
-        params = params.resolve_loops(d.min_loops, d.max_loops, d.exit_threshold, self.model.max_loops)
+        params = self.limits.check(ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid, ids, params, seed, self.tokenizer.detokenizer(),
                       eos_token_id=self.tokenizer.eos_token_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        return req
+        return req, self._sched_request(req)
 
-    def handoff(self, h: HandoffMessage, in_use: Container[str]) -> Request:
-        """Decode role: the request a prefill engine handed over, as it left it."""
+    def handoff(self, h: HandoffMessage, in_use: Container[str]) -> tuple[Request, SchedRequest]:
+        """Decode role: the request a prefill engine handed over, as it left it, and what the
+        scheduler sees of it."""
         if h.request_id in in_use:
             raise ValueError(f"request_id {h.request_id!r} is already in use")
-        return handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
+        req = handoff.unpack(h, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id)
+        return req, self._sched_request(req)
 
-    def sched_request(self, req: Request) -> SchedRequest:
+    def _sched_request(self, req: Request) -> SchedRequest:
         """What the scheduler sees of a request (with its prefix-cache keys)."""
         p = req.params
         return SchedRequest(

@@ -14,6 +14,7 @@ from loopserve.engine.config import EngineConfig, merge_engine_data
 from loopserve.engine.engine_core import EngineCore
 from loopserve.protocol.outputs import CompletionOutput, RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import EngineStats
 
 
 def make_config(config: EngineConfig | dict | str | Path | None = None, **overrides) -> EngineConfig:
@@ -129,7 +130,7 @@ class AsyncLLM:
         self._wake.set()  # the abort's final output goes out with the next step
         return True
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from loopserve.kv_transfer.leases import TransferLedger
+from loopserve.protocol.stats import PrefillStats, WorkerStats
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
@@ -54,10 +56,8 @@ class PrefillWorker(TransferHost):
             self.traces.record(rid, "FINISHED")
         return bool(freed or expired)
 
-    def stats(self) -> dict:
-        with self._lock:
-            return {**super().stats(), "transferring": len(self.ledger),
-                    "leases_expired": self.leases_expired}
+    def _stats(self) -> WorkerStats:
+        return replace(super()._stats(), prefill=PrefillStats(len(self.ledger), self.leases_expired))
 
     def _transfers_pending(self) -> bool:
         return len(self.ledger) > 0

@@ -22,14 +22,8 @@ class PrefixKeyer:
     dtype: str
     kv_cache_dtype: str  # EngineConfig.kv_cache_dtype: an FP8 block is not a bf16 block
     block_size: int
-    default_loops: tuple[int, int, float]  # the model's default min_loops, max_loops, exit_threshold
-    max_loops: int  # the model's bound
     planes: tuple[int, ...]  # planes[m - 1]: looped KV planes of a request with max_loops m
     seeded: bool  # a prompt token's K/V depends on the request's seed
-
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        """Loop fields filled in as the engine does (ValueError names a bad one)."""
-        return params.resolve_loops(*self.default_loops, self.max_loops)
 
     def keys(self, token_ids: Sequence[int], params: SamplingParams,
              seed: int | None) -> tuple[BlockHash, ...] | None:

@@ -1,9 +1,12 @@
-"""Per-request generation parameters, validated up front so bad input never reaches a batch."""
+"""Per-request generation parameters, validated up front so bad input never reaches a batch;
+a bad field is a FieldError naming it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from loopserve.protocol.status import FieldError
 
 # Below this a temperature samples greedily (as vLLM's _SAMPLING_EPS): logits divided by a
 # smaller one overflow float32, and the softmax of infinities is NaN.
@@ -31,33 +34,31 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise FieldError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1 (0 or -1 = off), got {self.top_k}")
+            raise FieldError("top_k", f"must be >= -1 (0 or -1 = off), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise FieldError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise FieldError("stop", "strings must be non-empty")
         if self.min_loops is not None and self.min_loops < 1:
-            raise ValueError(f"min_loops must be >= 1, got {self.min_loops}")
+            raise FieldError("min_loops", f"must be >= 1, got {self.min_loops}")
         if self.max_loops is not None and self.max_loops < 1:
-            raise ValueError(f"max_loops must be >= 1, got {self.max_loops}")
+            raise FieldError("max_loops", f"must be >= 1, got {self.max_loops}")
         if (
             self.min_loops is not None
             and self.max_loops is not None
             and self.min_loops > self.max_loops
         ):
-            raise ValueError(
-                f"min_loops ({self.min_loops}) must be <= max_loops ({self.max_loops})"
-            )
+            raise FieldError("min_loops", f"({self.min_loops}) must be <= max_loops ({self.max_loops})")
         if self.exit_threshold is not None and not (0.0 <= self.exit_threshold <= 1.0):
-            raise ValueError(f"exit_threshold must be in [0, 1], got {self.exit_threshold}")
+            raise FieldError("exit_threshold", f"must be in [0, 1], got {self.exit_threshold}")
 
     @property
     def greedy(self) -> bool:
@@ -69,11 +70,11 @@ class SamplingParams:
         lo = self.min_loops if self.min_loops is not None else min(default_min, self.max_loops or default_min)
         hi = self.max_loops if self.max_loops is not None else max(default_max, lo)
         if lo > model_max:
-            raise ValueError(f"min_loops must be <= {model_max} for this model, got {lo}")
+            raise FieldError("min_loops", f"must be <= {model_max} for this model, got {lo}")
         if hi > model_max:
-            raise ValueError(f"max_loops must be <= {model_max} for this model, got {hi}")
+            raise FieldError("max_loops", f"must be <= {model_max} for this model, got {hi}")
         if lo > hi:
-            raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")
+            raise FieldError("min_loops", f"({lo}) must be <= max_loops ({hi})")
         thr = self.exit_threshold if self.exit_threshold is not None else default_threshold
         return replace(self, min_loops=lo, max_loops=hi, exit_threshold=thr)
 

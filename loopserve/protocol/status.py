@@ -52,6 +52,11 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field} {message}")
         self.field = field
+        self._message = message
+
+    def __reduce__(self) -> tuple:
+        """Pickled with both arguments: a worker's refusal crosses Ray and the process launcher."""
+        return type(self), (self.field, self._message)
 
 
 class QueueFullError(RuntimeError):

@@ -24,6 +24,7 @@ from loopserve.scheduler.batch import (
     SchedulerOutput,
     UpdateEvents,
 )
+from loopserve.protocol.stats import SchedulerStats
 from loopserve.protocol.status import QueueFullError
 from loopserve.scheduler.config import SchedulerConfig
 from loopserve.scheduler.policy import POLICIES, Plan
@@ -535,21 +536,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._reqs)
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         c = self._counts
-        return {
-            "num_waiting": c[S.WAITING],
-            "num_running": c[S.ACTIVE],
-            "num_receiving": c[S.RECEIVING],
-            "num_transferring": c[S.TRANSFERRING],
-            "num_slots": len(self.admission_slots),
-            "num_pending": len(self.queues),
-            "num_inflight_batches": len(self._inflight),
-            "num_preemptions": self.num_preemptions,
-            "num_finished": self.num_finished,
-            "num_aborted": self.num_aborted,
-            "pending": {f"{k.value}/{o.value}": len(q) for (k, o), q in self.queues.lanes.items() if len(q)},
-        }
+        return SchedulerStats(
+            num_waiting=c[S.WAITING], num_running=c[S.ACTIVE], num_receiving=c[S.RECEIVING],
+            num_transferring=c[S.TRANSFERRING], num_slots=len(self.admission_slots),
+            num_pending=len(self.queues), num_inflight_batches=len(self._inflight),
+            num_preemptions=self.num_preemptions, num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            pending={f"{k.value}/{o.value}": len(q) for (k, o), q in self.queues.lanes.items() if len(q)},
+        )
 
     def view(self) -> SchedulerView:
         """What a check from outside reads, without reaching into private fields."""

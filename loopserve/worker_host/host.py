@@ -15,10 +15,12 @@ import threading
 
 from loopserve.engine.config import EngineConfig, given_scheduler_keys, merge_engine_data
 from loopserve.engine.engine_core import EngineCore, EngineFailedError
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.sampling_params import SamplingParams
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.prefix_keys import PrefixKeyer
+from loopserve.protocol.stats import WorkerStats
 from loopserve.kv_cache import CacheEvents
 from loopserve.worker_host.engine_lock import EngineLock
 from loopserve.protocol.events import WorkerEvents, WorkerLoad
@@ -198,7 +200,7 @@ class EngineHost:
         extra_queue, extra_blocks = self._unplaced()
         self._load = WorkerLoad(
             worker_id=self.worker_id, role=self.role,
-            queue_depth=s["num_waiting"] + extra_queue, running=s["num_running"],
+            queue_depth=s.num_waiting + extra_queue, running=s.num_running,
             free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
             accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
         )
@@ -207,14 +209,24 @@ class EngineHost:
         """Work accepted but not yet in the scheduler: (requests, looped blocks it will take)."""
         return 0, 0
 
+    def model_limits(self) -> ModelLimits:
+        """What this engine accepts of a request, for the router to check requests against."""
+        return self.engine.limits
+
     def prefix_keyer(self) -> PrefixKeyer | None:
         """How this engine keys its prefix cache (None: caching is off), for the router."""
         return self.engine.prefix_keyer
 
     def stats(self) -> dict:
+        """`WorkerStats.to_dict()`: plain data over any launcher (the handle rebuilds it)."""
         with self._lock:
-            return {"worker_id": self.worker_id, "role": self.role, "accepted": self._accepted,
-                    "error": self.engine.error, **self.engine.stats()}
+            return self._stats().to_dict()
+
+    def _stats(self) -> WorkerStats:
+        """This worker's stats (engine lock held); a role adds its own part."""
+        error = self.engine.error
+        return WorkerStats(self.worker_id, self.role, healthy=error is None, error=error,
+                           accepted=self._accepted, engine=self.engine.stats())
 
     def health(self) -> dict:
         alive = self._thread.is_alive()

@@ -49,7 +49,7 @@ def test_cancel_while_waiting_and_while_prefilling(pair):
 def test_cancel_during_transfer_and_decode(pair, worker, status):
     client, p, d = pair
     rid = f"c-{status.lower()}"
-    aborted = d.stats()["counters"]["requests_aborted"]
+    aborted = d.stats().engine.counters.requests_aborted
     call = client.stream([4, 5, 6, 7, 8], LONG, rid)
     w = p if worker == "prefill" else d
     until(lambda: w.trace(rid)[-1:] == [status], 30, f"{rid} {status}")
@@ -63,4 +63,4 @@ def test_cancel_during_transfer_and_decode(pair, worker, status):
     assert d.trace(rid) == (["RECEIVING", "ACTIVE", "FINISHED"] if status == "ACTIVE"
                             else ["RECEIVING", "FINISHED"])
     # A request aborted while its READ is in flight leaves the engine when the READ retires.
-    until(lambda: d.stats()["counters"]["requests_aborted"] == aborted + 1, 30, f"{rid} aborted on decode")
+    until(lambda: d.stats().engine.counters.requests_aborted == aborted + 1, 30, f"{rid} aborted on decode")

@@ -35,7 +35,7 @@ def test_stream_first_token_then_decode_tokens(served):
 
 def test_cancel_aborts_on_both_engines(served):
     client, p, d = served
-    aborted_before = d.stats()["counters"]["requests_aborted"]
+    aborted_before = d.stats().engine.counters.requests_aborted
     call = client.stream("cancel me", SamplingParams(max_tokens=400, ignore_eos=True), "g-cancel")
     got = [next(call), next(call)]  # the second chunk comes from the decode side
     assert all(r.WhichOneof("response") == "chunk" for r in got)
@@ -43,7 +43,7 @@ def test_cancel_aborts_on_both_engines(served):
     until(lambda: d.trace("g-cancel")[-1:] == ["FINISHED"])
     assert p.trace("g-cancel") == ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
     assert d.trace("g-cancel") == ["RECEIVING", "ACTIVE", "FINISHED"]
-    assert d.stats()["counters"]["requests_aborted"] == aborted_before + 1
+    assert d.stats().engine.counters.requests_aborted == aborted_before + 1
     usage = wait_idle([p, d])
     assert all(u["looped"]["used"] == 0 for u in usage.values())
 

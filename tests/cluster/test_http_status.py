@@ -50,7 +50,7 @@ def _router(name: str):
 
 
 def _running(handle: LosableHandle) -> None:
-    until(lambda: handle.host.stats()["scheduler"]["num_running"] == 1, what="the request running")
+    until(lambda: handle.stats().engine.scheduler.num_running == 1, what="the request running")
 
 
 def _post(url: str, body: dict) -> tuple[int, dict, dict]:

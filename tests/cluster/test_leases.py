@@ -27,13 +27,13 @@ def test_unread_handoff_is_freed_when_its_lease_expires():
         while not handoffs and time.monotonic() < deadline:
             handoffs = h.get_events(0.5).handoffs
         assert [m.request_id for m in handoffs] == ["orphan"]
-        assert h.stats()["kv"]["looped"]["used"] > 0  # held for the reader that never comes
+        assert h.stats().engine.looped.used > 0  # held for the reader that never comes
         deadline = time.monotonic() + 30
         while h.check_no_leaks()["unfinished"]:
             assert time.monotonic() < deadline, "lease never expired"
             time.sleep(0.1)
         s = h.stats()
-        assert s["leases_expired"] == 1 and s["kv"]["looped"]["used"] == 0
+        assert s.prefill.leases_expired == 1 and s.engine.looped.used == 0
         assert h.trace("orphan") == ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
     finally:
         h.shutdown()
@@ -52,7 +52,7 @@ def test_queued_handoffs_are_renewed_while_decode_is_short_of_blocks():
         results = asyncio.run(run_workload(cluster.router, items))
         wait_idle(cluster.handles)
         p = next(h for h in cluster.handles if h.role == "prefill")
-        assert p.stats()["leases_expired"] == 0
+        assert p.stats().prefill.leases_expired == 0
     # Some handoff waited in the decode inbox for longer than several leases...
     assert max(r.done - r.first_token for r in results) > 2 * lease
     ref = colocated_reference(items, ENGINE)  # ...and still decoded from intact KV
@@ -75,7 +75,7 @@ def test_handoff_the_decode_side_refuses_is_freed_at_once_not_when_its_lease_run
         [r] = asyncio.run(run_workload(cluster.router, [WorkItem("too-big", [3] * 20, params)]))
         wait_idle(cluster.handles, timeout=lease / 4)
         p = next(h for h in cluster.handles if h.role == "prefill")
-        assert p.stats()["leases_expired"] == 0
+        assert p.stats().prefill.leases_expired == 0
         assert p.trace("too-big") == ["WAITING", "ACTIVE", "TRANSFERRING", "FINISHED"]
     assert r.finish_reason == "error"
     assert "needs" in r.error and "KV blocks" in r.error and "after 1 migration" in r.error, r.error

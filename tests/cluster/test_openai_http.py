@@ -188,7 +188,7 @@ def test_backpressure_is_a_429(colocated_router, colocated_worker):
 
 
 def _aborted(worker) -> int:
-    return worker.stats()["counters"]["requests_aborted"]
+    return worker.stats().engine.counters.requests_aborted
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(client, server, colocated_worker):
@@ -215,7 +215,7 @@ def test_client_disconnect_without_streaming_aborts_the_request(server, colocate
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        until(lambda: colocated_worker.stats()["scheduler"]["num_running"] == 1, what="running")
+        until(lambda: colocated_worker.stats().engine.scheduler.num_running == 1, what="running")
     until(lambda: _aborted(colocated_worker) == before + 1, what="the engine's abort")
     wait_idle([colocated_worker])
 

@@ -49,10 +49,10 @@ def test_1p1d_greedy_equals_colocated(pd_workers, make_router):
 
 def test_2p2d_greedy_equals_colocated_and_spreads_load(pd_workers, make_router):
     p, d = pd_workers["prefill"], pd_workers["decode"]
-    before = {h.worker_id: h.stats()["kv_reads"]["count"] for h in d}
+    before = {h.worker_id: h.stats().decode.kv_reads.count for h in d}
     items = greedy_items(9, seed=2)
     served = _check_run(make_router(p, d), p, d, items)
     assert set(served) == {h.worker_id for h in p + d}, served  # every worker took requests
-    reads = {h.worker_id: h.stats()["kv_reads"] for h in d}
-    assert sum(r["count"] - before[w] for w, r in reads.items()) == 8
-    assert all(r["failed"] == 0 and r["bytes"] > 0 for r in reads.values())
+    reads = {h.worker_id: h.stats().decode.kv_reads for h in d}
+    assert sum(r.count - before[w] for w, r in reads.items()) == 8
+    assert all(r.failed == 0 and r.bytes > 0 for r in reads.values())

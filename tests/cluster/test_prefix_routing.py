@@ -45,12 +45,12 @@ def test_router_keys_equal_the_engines(seed):
         text = "the same system prompt, then a question " * 3
         rid = engine.add_request(text, params)
         mine = engine.scheduler.get_request(rid).request.block_hashes
-        routed = _Prompt(engine.tokenizer.encode(text), params).keys(engine.prefix_keyer)
+        ids = engine.tokenizer.encode(text)
+        routed = _Prompt(ids, engine.limits.check(ids, params)).keys(engine.prefix_keyer)
         if engine.prefix_keyer.seeded and seed is None:  # the engine draws the seed: unknown here
             assert routed == () and mine
         else:
             assert routed == mine and len(mine) == len(engine.tokenizer.encode(text)) // ENGINE["block_size"]
-        assert _Prompt([1, 2, 3, 10**30], params).keys(engine.prefix_keyer) == ()  # refused later
     finally:
         engine.shutdown()
 
@@ -75,8 +75,8 @@ def test_requests_sharing_a_system_prompt_go_where_it_is_cached():
         _run(router, [systems[i % 2] + [rng.randrange(0, 256) for _ in range(5)] for i in range(8)])
         stats = [h.stats() for h in handles]
         # each worker served one system prompt: its 3 later turns hit all 48 of its blocks
-        assert [s["accepted"] for s in stats] == [4, 4]
-        assert [s["prefix_cache"]["hits"] for s in stats] == [3 * 192] * 2
+        assert [s.accepted for s in stats] == [4, 4]
+        assert [s.engine.prefix_cache.hits for s in stats] == [3 * 192] * 2
         assert router.metrics.routed_cached_tokens._value.get() == 6 * 192
     finally:
         router.close()
@@ -94,7 +94,7 @@ def test_events_past_the_buffer_fold_into_a_snapshot(monkeypatch):
         engine = handle.host.engine
         assert router._prefixes.num_blocks("fold") == len(engine.kv_manager.prefix) == 40
         keyer = engine.prefix_keyer
-        assert router._cached_tokens(_Prompt(prompts[-1], GREEDY), router._entry) == {"fold": 40}
+        assert router._cached_tokens(router._check(prompts[-1], GREEDY), router._entry) == {"fold": 40}
         assert keyer.block_size == ENGINE["block_size"]
     finally:
         router.close()
@@ -125,8 +125,8 @@ def test_short_uncached_prompts_prefill_on_their_decode_worker(pd_1p2d):
         got = _run(router, prompts)
         routed = router.metrics.routed
         assert (routed.labels("local")._value.get(), routed.labels("remote")._value.get()) == (2, 1)
-        assert p.stats()["accepted"] == 1
-        assert sum(d.stats()["accepted"] for d in ds) == 3  # 2 local + 1 handoff
+        assert p.stats().accepted == 1
+        assert sum(d.stats().accepted for d in ds) == 3  # 2 local + 1 handoff
     finally:
         router.close()
     ref_router = Router([ref], poll_s=0.1).start()
@@ -146,9 +146,9 @@ def test_a_handoff_goes_to_the_decode_worker_holding_its_prefix(pd_1p2d):
     router = Router([p], ds, poll_s=0.1).start()
     try:
         _run(router, [system + [1, 2, 3], system + [4, 5, 6, 7]])
-        accepted = sorted(d.stats()["accepted"] for d in ds)
+        accepted = sorted(d.stats().accepted for d in ds)
         assert accepted == [0, 2]
-        holder = max(ds, key=lambda d: d.stats()["accepted"])
-        assert holder.stats()["prefix_cache"]["hits"] == 96
+        holder = max(ds, key=lambda d: d.stats().accepted)
+        assert holder.stats().engine.prefix_cache.hits == 96
     finally:
         router.close()

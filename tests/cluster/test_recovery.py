@@ -77,7 +77,7 @@ def _comes_back_and_serves(router: Router, prefill, old_pid: int) -> None:
     ref = colocated_reference(items)
     for it, r in zip(items, results):
         assert r.error is None and (r.token_ids, r.exit_depths) == ref[it.request_id], it.request_id
-    assert prefill.stats(timeout=30)["accepted"] >= len(items)  # the new process served them
+    assert prefill.stats(timeout=30).accepted >= len(items)  # the new process served them
 
 
 def _scenario(handles) -> None:

@@ -97,7 +97,7 @@ def test_least_loaded_router_ignores_prefixes():
     try:
         asyncio.run(one_by_one())
         assert not router.prefix_routing and all(w.keyer is None for w in router._entry)
-        assert sorted(h.stats()["accepted"] for h in handles) == [3, 3]
+        assert sorted(h.stats().accepted for h in handles) == [3, 3]
         assert router.metrics.routed_cached_tokens._value.get() == 0
     finally:
         router.close()

@@ -82,7 +82,7 @@ def test_prefix_caching_on_equals_off(family, cfg):
     _, want, want_depths = serve(family, work, False, **CONFIGS[cfg], **FP8_KV)
     engine, got, depths = serve(family, work, True, **CONFIGS[cfg], **FP8_KV)
     assert got == want and depths == want_depths
-    assert engine.stats()["prefix_cache"]["hits"] > 0
+    assert engine.stats().prefix_cache.hits > 0
     if cfg != "refill":
         assert engine.counters.preemptions > 0
 

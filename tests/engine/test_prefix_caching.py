@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import PrefixCacheStats
 from tests.engine.conftest import make_engine, run_pd, run_to_completion
 from tests.engine.test_equivalence import CONFIGS
 
@@ -52,12 +53,12 @@ def test_same_outputs_with_and_without_caching(family, cfg):
     _, want, want_depths = serve(family, work, False, **CONFIGS[cfg])
     engine, got, depths = serve(family, work, True, **CONFIGS[cfg])
     assert got == want and depths == want_depths
-    stats = engine.stats()["prefix_cache"]
-    assert stats["hits"] > 0 and stats["queries"] == sum(len(p) for _, p, _ in work)
+    stats = engine.stats().prefix_cache
+    assert stats.hits > 0 and stats.queries == sum(len(p) for _, p, _ in work)
     if "priority" in cfg or "preempt" in cfg:
         assert engine.counters.preemptions > 0, "the workload must actually preempt"
     if cfg == "preempt-incremental":
-        assert stats["evicted_blocks"] > 0, "the pool must be small enough to evict"
+        assert stats.evicted_blocks > 0, "the pool must be small enough to evict"
 
 
 def test_shared_prefix_skips_cached_tokens_on_every_loop(family):
@@ -78,11 +79,11 @@ def test_shared_prefix_skips_cached_tokens_on_every_loop(family):
         runs[caching] = engine, outs
     (off, want), (on, got) = runs[False], runs[True]
     assert got == want
-    hits = on.stats()["prefix_cache"]["hits"]
+    hits = on.stats().prefix_cache.hits
     # u1..u2 hit the 10 system blocks, u3 (the system prompt alone) 9: its last token runs
     assert hits == (10 + 10 + 9) * BS
     assert off.counters.loops_run - on.counters.loops_run == hits * 3
-    assert off.stats()["prefix_cache"] == {"queries": 0, "hits": 0, "cached_blocks": 0, "evicted_blocks": 0}
+    assert off.stats().prefix_cache == PrefixCacheStats(queries=0, hits=0, cached_blocks=0, evicted_blocks=0)
 
 
 def test_long_shared_prefixes_over_capacity_with_eviction():
@@ -100,9 +101,9 @@ def test_long_shared_prefixes_over_capacity_with_eviction():
     _, want, want_depths = serve("tiny-ouro", work, False, first=2, **cfg)
     engine, got, depths = serve("tiny-ouro", work, True, first=2, **cfg)
     assert got == want and depths == want_depths
-    stats = engine.stats()["prefix_cache"]
+    stats = engine.stats().prefix_cache
     # l2, l3 and l7 find their system prompt (l6 finds it evicted: used least lately)
-    assert stats["hits"] >= 3 * 1100 and stats["evicted_blocks"] > 0
+    assert stats.hits >= 3 * 1100 and stats.evicted_blocks > 0
 
 
 def test_pd_caches_on_both_sides(family):
@@ -121,7 +122,7 @@ def test_pd_caches_on_both_sides(family):
         runs[caching] = p, d, tokens
     assert runs[True][2] == runs[False][2]
     p, d, _ = runs[True]
-    assert p.stats()["prefix_cache"]["hits"] > 0 and d.stats()["prefix_cache"]["hits"] > 0
+    assert p.stats().prefix_cache.hits > 0 and d.stats().prefix_cache.hits > 0
 
 
 @pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
@@ -143,5 +144,5 @@ def test_dory(tmp_path_factory, mode):
             e.add_request(prompt, params, request_id=rid)
         res[caching] = e, run_to_completion(e, arrivals=work[3:])
     assert res[True][1] == res[False][1]
-    hits = res[True][0].stats()["prefix_cache"]["hits"]
+    hits = res[True][0].stats().prefix_cache.hits
     assert (hits > 0) if mode == "per_loop" else (hits == 0)

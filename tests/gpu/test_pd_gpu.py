@@ -33,7 +33,7 @@ def _serve(mode: str, family: str, **engine) -> dict[str, tuple[list[int], list[
     with Cluster(cfg) as cluster:
         results = asyncio.run(run_workload(cluster.router, items))
         usage = wait_idle(cluster.handles)
-        reads = sum(h.stats()["kv_reads"]["count"] for h in cluster.handles if h.role == "decode")
+        reads = sum(h.stats().decode.kv_reads.count for h in cluster.handles if h.role == "decode")
     assert all(r.error is None for r in results), [r.error for r in results if r.error]
     assert all(u[p]["used"] == 0 for u in usage.values() for p in ("looped", "flat"))
     assert mode != "pd" or reads == len(items)  # every prompt's KV crossed over NIXL

@@ -96,7 +96,7 @@ def test_add_request_rejects_duplicates_impossible_requests_and_overflow():
     s.add_request(SchedRequest("b", 2, 2, 1, 2))
     with pytest.raises(QueueFullError, match="max_waiting=2"):
         s.add_request(SchedRequest("c", 2, 2, 1, 2))
-    assert s.stats()["num_waiting"] == 2
+    assert s.stats().num_waiting == 2
     check_invariants(s)
 
 

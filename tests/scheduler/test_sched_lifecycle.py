@@ -176,7 +176,7 @@ def test_pd_prefill_transfers_and_decode_continues_from_the_first_token():
     st = p.sched.get_request("x")
     assert S.ACTIVE in seen and st.status is S.TRANSFERRING
     assert "x" not in p.sched.admission_slots and p.sched.kv.has("x")  # slot freed, blocks held
-    assert p.sched.stats()["num_transferring"] == 1
+    assert p.sched.stats().num_transferring == 1
     p.drain()
     assert p.finished == {"y": 1} and p.transferring == ["x"]
     assert hand_over(p, d, "x", 4)
@@ -243,11 +243,11 @@ def test_stats_track_statuses():
     add(e, 1, max_tokens=8, priority=3)
     e.step()
     s = e.sched.stats()
-    assert (s["num_waiting"], s["num_running"], s["num_slots"]) == (1, 1, 1)
+    assert (s.num_waiting, s.num_running, s.num_slots) == (1, 1, 1)
     add(e, 2, max_tokens=2, priority=0)
     e.drain()
     s = e.sched.stats()
-    assert s["num_finished"] == 3 and s["num_preemptions"] >= 1 and s["num_waiting"] == 0
+    assert s.num_finished == 3 and s.num_preemptions >= 1 and s.num_waiting == 0
 
 
 def test_admission_lets_at_most_8_bypass_a_blocked_request_and_scans_64():

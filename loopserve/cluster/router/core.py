@@ -37,8 +37,8 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
@@ -49,10 +49,13 @@ from loopserve.cluster.router.policy import PrefixAware, RoutingPolicy, decode_l
 from loopserve.cluster.router.prefix_index import PrefixIndex
 from loopserve.cluster.router.workers import WorkerState
 from loopserve.metrics import ServingMetrics, WorkerCollector
+from loopserve.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from loopserve.protocol.handoff import HandoffMessage
+from loopserve.protocol.model_limits import ModelLimits
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.prefix_keys import PrefixKeyer
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.protocol.stats import WorkerStats
 from loopserve.protocol.status import NoWorkerError, QueueFullError, RequestIdInUseError
 
 log = logging.getLogger(__name__)
@@ -61,22 +64,18 @@ REUSE_MEMORY = 100_000  # client ids remembered to make engine ids unique (>> wo
 
 @dataclass
 class _Prompt:
-    """A request's prompt as routing sees it: token ids (None: a text prompt and no tokenizer)
-    and its block keys under each keyer, computed once each."""
+    """A checked request as routing sees it: its token ids, its params with the loop fields
+    resolved, and its block keys under each keyer, computed once each."""
 
-    ids: list[int] | None
+    ids: list[int]
     params: SamplingParams
     _keys: dict[PrefixKeyer, tuple[bytes, ...]] = field(default_factory=dict)
 
     def keys(self, keyer: PrefixKeyer | None) -> tuple[bytes, ...]:
-        if keyer is None or self.ids is None:
+        if keyer is None:
             return ()
-        if keyer not in self._keys:
-            try:  # a bad prompt or loop field: the worker refuses it, routing need not care
-                keys = keyer.keys(self.ids, keyer.resolve(self.params), self.params.seed)
-            except (ValueError, TypeError, OverflowError):
-                keys = None
-            self._keys[keyer] = keys or ()
+        if keyer not in self._keys:  # None: they depend on a seed the engine will draw
+            self._keys[keyer] = keyer.keys(self.ids, self.params, self.params.seed) or ()
         return self._keys[keyer]
 
 
@@ -98,10 +97,8 @@ class Router:
     def __init__(self, entry: Sequence[WorkerHandle], decode: Sequence[WorkerHandle] = (),
                  poll_s: float = 0.2, max_migrations: int = 2, deadline_s: float = 10.0,
                  fail_s: float = 30.0, metrics: ServingMetrics | None = None,
-                 tokenize: Callable[[str], list[int]] | None = None,
                  policy: RoutingPolicy | None = None, local_prefill_tokens: int = 0) -> None:
-        """`tokenize`: the engines' tokenizer, for text prompts' block keys and lengths;
-        `policy`: the routing rule (default `PrefixAware()`)."""
+        """`policy`: the routing rule (default `PrefixAware()`)."""
         if not entry:
             raise ValueError("a router needs at least one prefill or colocated worker")
         roles = {h.role for h in entry}
@@ -114,7 +111,8 @@ class Router:
             raise ValueError(f"need 0 < deadline_s <= fail_s, got {deadline_s} and {fail_s}")
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
-        self.tokenize = tokenize
+        self.limits: tuple[ModelLimits, ...] = ()  # the workers' engines' (start() asks them)
+        self.tokenizer: ByteTokenizer | HFTokenizer | None = None  # theirs; this process's only one
         self.policy = policy or PrefixAware()
         self.prefix_routing = self.policy.uses_prefixes
         self.local_prefill_tokens = local_prefill_tokens if decode else 0
@@ -139,9 +137,11 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Router:
-        """Handshake every decode worker with every prefill worker, learn how each keys its
-        prefix cache, then start the pumps."""
+        """Handshake every decode worker with every prefill worker, learn what each engine
+        accepts (and load their tokenizer) and how each keys its prefix cache, then start the
+        pumps."""
         self._handshake(self._decode, self._entry)
+        self._learn_limits(list(self._workers.values()))
         self._learn_keyers(list(self._workers.values()))
         loops = [(self._pump, (w,), f"pump-{w.id}") for w in self._workers.values()]
         for target, args, name in [*loops, (self._watch, (), "router-watchdog")]:
@@ -156,6 +156,12 @@ class Router:
         infos = [f.result() for f in [p.calls.submit(p.handle.handshake_info) for p in prefill]]
         for f in [d.calls.submit(d.handle.add_peer, info) for d in decode for info in infos]:
             f.result()
+
+    def _learn_limits(self, workers: Sequence[WorkerState]) -> None:
+        futures = [w.calls.submit(w.handle.model_limits) for w in workers]
+        self.limits = tuple(dict.fromkeys(f.result() for f in futures))
+        first = self.limits[0]
+        self.tokenizer = load_tokenizer(first.tokenizer, vocab_size=first.vocab_size)
 
     def _learn_keyers(self, workers: Sequence[WorkerState]) -> None:
         if not self.prefix_routing:
@@ -184,16 +190,15 @@ class Router:
         Raises ValueError (bad input; RequestIdInUseError for an id in use), QueueFullError or
         NoWorkerError before the first output.
         """
-        params = params or SamplingParams()
         record = self.metrics.begin()
         try:
-            routed = _Prompt(self._token_ids(prompt), params)
-            st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params, routed)
+            routed = self._check(prompt, params or SamplingParams())
+            st = self._open(request_id or f"req-{uuid.uuid4().hex[:16]}", routed)
         except (ValueError, NoWorkerError) as e:
             record.refused(_refusal(e))
             raise
         entry = self._workers[st.entry]
-        submit = functools.partial(entry.handle.submit, st.request_id, prompt, params,
+        submit = functools.partial(entry.handle.submit, st.request_id, routed.ids, routed.params,
                                    timeout=self.deadline_s)
         try:
             accepted = await asyncio.get_running_loop().run_in_executor(entry.calls, submit)
@@ -231,17 +236,18 @@ class Router:
                 record.finish("abort")
                 self._abort_later(st.request_id)
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
-        if isinstance(prompt, list):
-            return prompt
-        if not self.prefix_routing and not self.local_prefill_tokens:
-            return None
-        if self.tokenize is None or not isinstance(prompt, str) or not prompt:
-            return None
-        return self.tokenize(prompt)
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> _Prompt:
+        """The one tokenization of a request, and its check against every engine's limits
+        (FieldError names the field and the limit): the workers get token ids and resolved
+        loop parameters."""
+        if self.tokenizer is None:
+            raise NoWorkerError("the router has not started")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        for limits in self.limits:
+            params = limits.check(ids, params)
+        return _Prompt(ids, params)
 
-    def _open(self, client_id: str, prompt: str | list[int], params: SamplingParams,
-              routed: _Prompt) -> _Stream:
+    def _open(self, client_id: str, routed: _Prompt) -> _Stream:
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("request_id must be a non-empty string")
         with self._lock:
@@ -256,7 +262,7 @@ class Router:
                 entry, local = self._pick_start(set(), routed)
             rid = self._engine_id(client_id)
             st = _Stream(client_id, rid, asyncio.get_running_loop(), asyncio.Queue(), entry.id,
-                         StreamHistory(prompt, params), routed, decode=entry.id if local else None)
+                         StreamHistory(routed.ids, routed.params), routed, decode=entry.id if local else None)
             self.metrics.routed.labels("local" if local else
                                        "remote" if self._decode else "colocated").inc()
             self._streams[rid] = st
@@ -333,7 +339,7 @@ class Router:
     def _local_prefill(self, prompt: _Prompt) -> WorkerState | None:
         """pd mode: the decode worker to prefill this request on, if its uncached prompt there
         is shorter than `local_prefill_tokens` (its transfer would cost more than its prefill)."""
-        if not self.local_prefill_tokens or prompt.ids is None:
+        if not self.local_prefill_tokens:
             return None
         chosen = self._decode_for(prompt, set())
         if chosen is None:
@@ -579,14 +585,14 @@ class Router:
             pass
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, WorkerStats]:
         """Every worker's stats, within `deadline_s` of this call (blocking; call from a thread).
         A worker that has not answered by then is reported as such."""
         calls = self._stats_calls()
         wait_futures(calls.values(), timeout=self.deadline_s)
         return self._stats_of(calls)
 
-    async def stats_async(self) -> dict[str, dict]:
+    async def stats_async(self) -> dict[str, WorkerStats]:
         """`stats()` for an event loop: no thread is taken while the workers answer."""
         calls = self._stats_calls()
         waits = [asyncio.wrap_future(f) for f in calls.values()]
@@ -606,13 +612,14 @@ class Router:
             for w in self._workers.values():
                 f = w.stats_call
                 if f is None or f.done():
-                    f = w.stats_call = w.observer.submit(_safe, w.handle.stats, timeout=self.deadline_s)
+                    f = w.stats_call = w.observer.submit(_ask_stats, w.handle, self.deadline_s)
                 calls[w.id] = f
         return calls
 
-    def _stats_of(self, calls: dict[str, Future]) -> dict[str, dict]:
-        silent = {"ok": False, "error": f"did not answer within {self.deadline_s:g} s of the call"}
-        return {w.id: {"role": w.handle.role, **(calls[w.id].result() if calls[w.id].done() else silent)}
+    def _stats_of(self, calls: dict[str, Future]) -> dict[str, WorkerStats]:
+        silent = f"did not answer within {self.deadline_s:g} s of the call"
+        return {w.id: calls[w.id].result() if calls[w.id].done()
+                else WorkerStats.unanswered(w.id, w.handle.role, silent)
                 for w in self._workers.values()}
 
     def health(self) -> dict[str, dict]:
@@ -653,9 +660,9 @@ def _preferred(workers: list[WorkerState], avoid: set[str]) -> list[WorkerState]
     return [w for w in healthy if w.id not in avoid] or healthy
 
 
-def _safe(fn, **kw) -> dict:
+def _ask_stats(handle: WorkerHandle, timeout: float) -> WorkerStats:
     try:
-        return fn(**kw)
-    except Exception as e:  # noqa: BLE001 - reported as data: stats/health of a dead worker
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return handle.stats(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - reported as data: the stats of a dead worker
+        return WorkerStats.unanswered(handle.worker_id, handle.role, f"{type(e).__name__}: {e}")
 

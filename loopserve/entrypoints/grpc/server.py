@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 
 import grpc
 from google.protobuf.message import Message
@@ -33,6 +34,7 @@ from loopserve.entrypoints.auth import BearerTokenInterceptor
 from loopserve.entrypoints.grpc.proto import loopserve_pb2 as pb
 from loopserve.entrypoints.grpc.protocol import parse, request_from_proto, responses_from_output
 from loopserve.protocol.limits import check_limits
+from loopserve.protocol.stats import WorkerStats
 from loopserve.protocol.status import code_of
 
 log = logging.getLogger(__name__)
@@ -109,22 +111,23 @@ def _handlers(servicer: LoopServeServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
-def _worker_stats(worker_id: str, s: dict) -> pb.WorkerStats:
-    if "kv" not in s:  # the worker did not answer
+def _worker_stats(worker_id: str, s: WorkerStats) -> pb.WorkerStats:
+    if (e := s.engine) is None:  # the worker did not answer
         return pb.WorkerStats(worker_id=worker_id, healthy=False)
-    sched, kv = s["scheduler"], s["kv"]
-    counters = {k: int(v) for k, v in s["counters"].items() if isinstance(v, (int, float))}
-    counters.update({f"batches_{k}": v for k, v in s["counters"]["batches"].items()})
-    counters.update({f"kv_reads_{k}": int(v) for k, v in s.get("kv_reads", {}).items()
-                     if not k.endswith("seconds")})
-    counters.update({f"prefix_cache_{k}": v for k, v in s["prefix_cache"].items()})
-    pools = {name: pb.PoolUsage(**kv[name]) for name in ("looped", "flat")}
+    counters = {k: int(v) for k, v in asdict(e.counters).items() if isinstance(v, (int, float))}
+    counters.update({f"batches_{k}": v for k, v in e.counters.batches.items()})
+    if s.decode is not None:
+        counters.update({f"kv_reads_{k}": int(v) for k, v in asdict(s.decode.kv_reads).items()
+                         if not k.endswith("seconds")})
+    counters.update({f"prefix_cache_{k}": v for k, v in asdict(e.prefix_cache).items()})
+    pools = {name: pb.PoolUsage(**asdict(u)) for name, u in e.pools().items()}
+    sched = e.scheduler
     return pb.WorkerStats(
-        worker_id=worker_id, role=s["role"], looped=pools["looped"], flat=pools["flat"],
-        num_waiting=sched["num_waiting"], num_running=sched["num_running"],
-        num_receiving=sched["num_receiving"], num_transferring=sched["num_transferring"],
-        counters=counters, healthy=s.get("error") is None,
-        pool_accounting_ok=all(kv[p]["free"] + kv[p]["used"] == kv[p]["total"] for p in kv))
+        worker_id=worker_id, role=s.role, looped=pools["looped"], flat=pools["flat"],
+        num_waiting=sched.num_waiting, num_running=sched.num_running,
+        num_receiving=sched.num_receiving, num_transferring=sched.num_transferring,
+        counters=counters, healthy=s.healthy,
+        pool_accounting_ok=all(u.free + u.used == u.total for u in e.pools().values()))
 
 
 def _tls(config: ServerConfig) -> grpc.ServerCredentials:

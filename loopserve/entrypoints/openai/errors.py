@@ -48,21 +48,21 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
 
 
-def _param(message: str, fields: set[str], renames: dict[str, str]) -> str | None:
-    """The request field a FieldError names ("sampling.stop[0]", "prompt.text") or an
-    engine's ValueError's message starts with ("top_p must be ..."), as the endpoint spells it."""
-    word = message.split(" ", 1)[0].removeprefix("sampling.").split("[")[0].split(".")[0]
+def _param(field: str, fields: set[str], renames: dict[str, str]) -> str | None:
+    """The request field a FieldError names ("sampling.stop[0]", "prompt.text", "top_p") as
+    the endpoint spells it."""
+    word = field.removeprefix("sampling.").split("[")[0].split(".")[0]
     word = renames.get(word, word)
     return word if word in fields else None
 
 
 def refusal(e: Exception, fields: set[str], renames: dict[str, str]) -> APIError | None:
-    """A router, engine or request error as its status (None: not one of them, a bug)."""
+    """A router, engine or request error as its status (None: not one of them, a bug); a
+    FieldError's field is the error object's `param` (no message is read for one)."""
     code = code_of(e)
     if code is None:
         return None
-    named = e.field if isinstance(e, FieldError) else str(e)
-    param = _param(named, fields, renames) if code is Code.INVALID_ARGUMENT else None
+    param = _param(e.field, fields, renames) if isinstance(e, FieldError) else None
     return APIError.of(code, str(e), param)
 
 

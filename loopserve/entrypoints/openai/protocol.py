@@ -7,7 +7,7 @@ Options clients send by default are accepted at their neutral value (`presence_p
 `suffix` null) and
 refused, naming them, at any value that would change the output. Types, shapes and the
 wire's ranges (int32, as the engines' protocol carries them) are checked here; the limits of
-values are SamplingParams' own (one place), and its ValueError names the field too.
+values are SamplingParams' own (one place), and its FieldError names the field too.
 
 Defaults follow OpenAI's (temperature 1, top_p 1, n 1), except `max_tokens`: 16 for chat as
 for completions, since the engine reserves KV for max_tokens at admission and OpenAI's chat
@@ -89,7 +89,7 @@ class _Sampling(_Strict):
 
     def sampling_params(self, index: int, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
         """Choice `index`'s params: with a seed, choice i samples with seed + i (n distinct
-        samples, reproducible). ValueError names the field that is out of its limits."""
+        samples, reproducible). FieldError names the field that is out of its limits."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,

@@ -43,7 +43,6 @@ from loopserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    ModelCard, ModelList)
 from loopserve.entrypoints.openai.serving import OpenAIServing
 from loopserve.entrypoints.openai.sockets import BoundedH11Protocol
-from loopserve.model.tokenizer import load_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -81,10 +80,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(router: Router, config: ServerConfig, engine: EngineConfig) -> FastAPI:
-    path = tokenizer_file(engine.tokenizer, engine.model)  # the engines' own tokenizer
-    tokenizer = load_tokenizer(path)
-    serving = OpenAIServing(router, engine.model, engine.max_model_len, tokenizer,
-                            load_chat_template(path, config.chat_template),
+    # The router's tokenizer (the engines' own, loaded once per process) and its template.
+    serving = OpenAIServing(router, engine.model, engine.max_model_len, router.tokenizer,
+                            load_chat_template(router.limits[0].tokenizer, config.chat_template),
                             config.limits, config.max_pending_requests)
     token = config.auth_token
     limit = config.limits.max_message_bytes
