@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
 # The project's GPU check (docs/benchmarks.md records where it passed): on one CUDA GPU,
 #   tests:    the GPU tests (python -m pytest -m gpu tests/gpu; they turn the GPU features on);
-#   serving:  the serving workload on configs/h200-1p1d.yaml with the shipped defaults (the GPU
-#             paths on) in both
+#   serving:  the serving workload on configs/h200-1p1d.yaml with the shipped defaults in both
 #             modes (colocated, then 1P1D as plain processes; half the KV pool on a GPU under
 #             120 GiB): fails if any request fails or 1P1D's greedy tokens differ from
 #             colocated's beyond a near-tie (--tie-nats);
-#   features: the same with EngineConfig's GPU_FEATURES forced on: the step for a new GPU path
-#             (in GPU_FEATURES, off by default until this passed); run only when named;
+#   features: the same with the GPU features on (EngineConfig's GPU_FEATURES: CUDA graphs, the
+#             fused loop, deferred read-back), which a default may turn on only once this passed;
 #   decode:   the decode benchmark at batches 1 and 8 (benchmarks/gpu_h200.py --parts 1).
 # GPU_TEST_WORKERS=N runs the tests in N pytest-xdist processes on the one GPU (to fit a call).
 # Prints one PASS/FAIL summary line last; the whole log goes to $GPU_CHECK_LOG
-# (default out/gpu_check.log). Arguments name a subset of the steps; only a run of tests,
-# serving and decode is the check (a device call of at most 10 minutes fits "tests", then
-# "serving decode"; add "features" while a new GPU path is off by default).
+# (default out/gpu_check.log). Arguments name a subset of the steps; only a run of all four
+# is the check (a device call of at most 10 minutes fits "tests", then "serving features decode").
 #
 # Needs the project's Python dependencies: where one is missing and a folder of wheels is at
 # $LOOPSERVE_WHEELS (default .whl; how to fetch them: docs/benchmarks.md), they are installed
@@ -27,7 +25,7 @@ mkdir -p "$(dirname "$LOG")"
 source scripts/gpu_env.sh
 
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-ALL="tests serving decode"
+ALL="tests serving features decode"
 steps=${*:-$ALL}
 gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG" || echo "no CUDA GPU")
 declare -a failed=()

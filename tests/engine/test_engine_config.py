@@ -63,19 +63,3 @@ def test_draft_length_bounds_name_the_field_and_limit(kw, needles):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kw)
     assert all(n in str(e.value) for n in needles), str(e.value)
-
-
-def test_gpu_paths_default_on_for_cuda_only():
-    """The shipped defaults run the GPU paths on a CUDA device (scripts/gpu_check.sh passed with
-    them on) and none of them on CPU; a prefill engine never defers its read-back."""
-    import torch
-
-    from loopserve.engine.gpu_paths import GpuPaths
-
-    cfg = EngineConfig()
-    on = GpuPaths.resolve(cfg, torch.device("cuda"))
-    assert on.cuda_graphs and on.defer_readback and on.fused_loop_rows == cfg.fused_loop_rows
-    off = GpuPaths.resolve(cfg, torch.device("cpu"))
-    assert not (off.cuda_graphs or off.defer_readback or off.fused_loop_rows or off.fuse_elementwise)
-    assert not GpuPaths.resolve(EngineConfig(role="prefill"), torch.device("cuda")).defer_readback
-    assert not GpuPaths.resolve(EngineConfig(defer_readback=False, fused_loop="off"), torch.device("cuda")).fused_loop_rows
