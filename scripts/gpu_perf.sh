@@ -5,7 +5,12 @@
 #          before it (benchmarks/kv_read_gpu.py on configs/h200-1p1d.yaml, 1040-token prompt);
 #   bf16:  the throughput table (benchmarks/throughput.py: C = 1..256, 1K and 4K prompts, fixed
 #          and adaptive exit, bf16 KV) and the same workload at C = 64 through `loopserve serve`;
-#   fp8:   the table with --kv-cache-dtype fp8_e4m3, where EngineConfig has that field.
+#   fp8:   the table with --kv-cache-dtype fp8_e4m3, where EngineConfig has that field;
+#   profile: where a decode step's time goes at C = 1, 32, 64 (bf16) and C = 32 (FP8), 1K
+#          prompts (benchmarks/profile_gpu.py: GPU busy vs wall, kernel families, host);
+#   sweep: the paged decode kernel's launches and an FMA kernel against the K/V floor, bf16 and
+#          FP8 (benchmarks/experiments/attn_sweep_gpu.py).
+# The default is "read bf16 fp8" (one call); "profile sweep" fits a second.
 # Logs and JSON go to $OUT if set, else out/. Arguments name a subset of the steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,5 +42,9 @@ if "$PY" -c "from loopserve.engine.config import EngineConfig as E; assert 'kv_c
 elif [[ " $steps " == *" fp8 "* ]]; then
   echo "=== fp8: skipped: EngineConfig has no kv_cache_dtype at $commit" | tee -a "$LOG"
 fi
+[[ " $steps " == *" profile "* ]] && steps="$steps profile_fp8"
+step profile 100 "$PY" benchmarks/profile_gpu.py --cs 1,32,64 --prompt-len 1024 --steps 32
+step profile_fp8 70 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --steps 32 --kv-cache-dtype fp8_e4m3
+step sweep 120 env PYTHONPATH=".:$PYTHONPATH" "$PY" benchmarks/experiments/attn_sweep_gpu.py --batches 32 --splits 1
 grep -hE '^\[(idle|backlog)\]|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
   "$DIR"/read.log "$DIR"/bf16.log "$DIR"/fp8.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
