@@ -147,14 +147,18 @@ class KVCacheManager:
                 table.flat.append(e.flat)
         if grow <= 0:
             return True
-        # Every plane's blocks in one draw, sorted before they are dealt out: the same blocks
-        # as drawing plane by plane, but in runs of adjacent ids. The free queue gets a freed
-        # table's blocks tail first and plane by plane interleaved, so without the sort a pool
-        # past its first cycle dealt each plane ids stepping down by the plane count: a READ
-        # of one NIXL descriptor per block, a zeroing of one indexed kernel per request.
-        new_looped = sorted(self.looped.allocate(grow * len(table.depth)))
+        # Every plane's blocks in one draw, sorted, then dealt round robin (block i of plane k
+        # is the (i * planes + k)-th): the same blocks as drawing plane by plane, but the first
+        # n blocks of every plane are one run of adjacent ids, whatever n. A handoff READ covers
+        # the prompt's blocks of every plane, and the two sides' tables differ in length (the
+        # decode side holds room for the next token): dealt plane by plane, each plane was a
+        # run of its own and the READ one NIXL descriptor per plane; dealt round robin on both
+        # sides, one descriptor per allocation. (Unsorted, a pool past its first cycle dealt
+        # ids stepping down: one descriptor per block, one indexed zeroing kernel per request.)
+        planes = len(table.depth)
+        new_looped = sorted(self.looped.allocate(grow * planes))
         for k, plane in enumerate(table.depth):
-            plane.extend(new_looped[k * grow:(k + 1) * grow])
+            plane.extend(new_looped[k::planes])
         new_flat = sorted(self.flat.allocate(grow)) if self.layout.has_flat else []
         table.flat.extend(new_flat)
         self.prefix.evict(new_looped, new_flat)

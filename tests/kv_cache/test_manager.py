@@ -103,10 +103,19 @@ def runs(ids: list[int]) -> int:
     return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
 
 
+def read_runs(local: list[list[int]], remote: list[list[int]], n: int) -> int:
+    """Descriptors of a READ of blocks 0..n-1 of every plane as the connector posts it: pairs
+    sorted by the local id, a run going on while both sides' ids step by one."""
+    pairs = sorted((a, b) for lp, rp in zip(local, remote) for a, b in zip(lp[:n], rp[:n]))
+    return sum(1 for i, (a, b) in enumerate(pairs)
+               if i == 0 or (a, b) != (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1))
+
+
 def test_planes_stay_runs_of_adjacent_blocks_after_the_pool_cycles():
     """A freed table's blocks go back tail first, plane by plane interleaved; the next table
-    of its size must still get each plane as one run of adjacent ids (a handoff's READ then
-    moves each plane as one descriptor), not ids stepping down by the plane count."""
+    of its size must still get its blocks as one run of adjacent ids, dealt round robin over
+    the planes (block i of plane k the (i * planes + k)-th), not ids stepping down by the
+    plane count."""
     planes, per_plane = 4, 8
     m = make(blocks=4 * planes * per_plane, flat=4 * per_plane, bs=4)
     for rid in "abcd":  # the pool, full
@@ -116,5 +125,21 @@ def test_planes_stay_runs_of_adjacent_blocks_after_the_pool_cycles():
         m.free(rid)
         assert m.allocate(rid, 4 * per_plane, planes)
         t = m.block_table(rid)
-        assert [runs(p) for p in t.depth] == [1] * planes and runs(t.flat) == 1, (step, t)
+        dealt = [p[i] for i in range(per_plane) for p in t.depth]
+        assert runs(dealt) == 1 and runs(t.flat) == 1, (step, t)
     m.check()
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_a_handoff_read_is_one_descriptor_when_the_sides_differ_in_length(extra):
+    """The prefill side holds the prompt's n blocks per plane, the decode side n + extra (room
+    for the tokens to come): the READ of blocks 0..n-1 of every plane is one run on both sides,
+    also after the pools cycled."""
+    planes, n = 4, 9
+    prefill, decode = make(blocks=64, flat=16, bs=4), make(blocks=64, flat=16, bs=4)
+    for side, length in ((prefill, n), (decode, n + extra)):
+        assert side.allocate("warm", 4 * 5, planes)  # the pools past their first cycle
+        side.free("warm")
+        assert side.allocate("r", 4 * length, planes)
+    local, remote = decode.block_table("r").depth, prefill.block_table("r").depth
+    assert read_runs(local, remote, n) == 1
