@@ -3,7 +3,8 @@ GEMMs vs the rest on the GPU, and the host's share of the wall time.
 
 C requests of P-token prompts (benchmarks/throughput.py's engine: the KV pool sized from free
 memory, GPU features on, fixed depth) are added at once and stepped until every one decodes;
-then --steps steps are timed bare (wall per step, tokens per step), and the same number again
+then, after --steps steps of warm-up (the decode shapes' graph captures), --steps steps are
+timed bare (wall per step, tokens per step), and the same number again
 under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
 split by kernel family, the top kernels, and each Operation's batches and rows. A second
 window runs under cProfile for the host's top functions.
@@ -87,6 +88,7 @@ def profile_c(table, prompts: list[list[int]], c: int, steps: int) -> None:
     engine = table.engine
     sp = throughput.params("fixed", table.args, table.max_loops, table.args.output_len)
     ids = steady(engine, prompts[:c], sp, f"c{c}-")
+    window(engine, steps)  # the decode shapes' first graph captures and kernel compiles
     wall, tokens, batches, rows = window(engine, steps)
     print(f"\n## C={c}, P={table.args.prompt_len}: {wall / steps * 1e3:.3f} ms/step wall, {tokens / steps:.2f} "
           f"tokens/step, {tokens / wall:.1f} tok/s; batches {dict(batches)}, {rows:.1f} rows per RECURRENT",
