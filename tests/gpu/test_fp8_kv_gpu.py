@@ -34,15 +34,6 @@ def test_decode_mixed_context_lengths(block_size):
     assert_matches(case, TritonAttention())
 
 
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_decode_one_head_per_kv_head(splits):
-    """Ouro's shape (16 heads x 128, G = 1): FP8 decode rows take the FMA kernel."""
-    ctx = [1, 2, 15, 16, 17, 127, 128, 129, 1000, 2047, 3000] * 3
-    case = make_case([[c - 1] for c in ctx], hq=16, hkv=16, head_dim=128, block_size=16,
-                     dtype=BF16, device="cuda", kv_scales=FP8_SCALES)
-    assert_matches(case, TritonAttention(kv_splits=splits))
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_batches_and_split_kv(seed):
     case = make_case(random_segments(seed, 24, 2500, 300), hq=16, hkv=4, head_dim=128,

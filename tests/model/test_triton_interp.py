@@ -154,18 +154,6 @@ def test_fp8_cache_decode_and_prefill(dtype, splits):
     assert_matches(case, TritonAttention(kv_splits=splits))
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_fp8_decode_one_head_per_kv_head(splits):
-    """FP8 decode rows with G = 1 go to the FMA kernel (_decode_fma_kernel); contexts across
-    block and split edges, one row longer than a whole split chunk of 128 positions."""
-    from tests.gpu.attn_cases import FP8_SCALES
-
-    ctx = [1, 2, 7, 8, 9, 130, 300]
-    case = make_case([[c - 1] for c in ctx], hq=2, hkv=2, head_dim=16, block_size=8,
-                     dtype=torch.float32, device="cpu", seed=7, kv_scales=FP8_SCALES)
-    assert_matches(case, TritonAttention(kv_splits=splits))
-
-
 @pytest.mark.parametrize("rope", [None, "half"])
 def test_fp8_cache_fresh_prompts_and_fused_rope(rope):
     """SDPA's fresh prompt rows read K/V rounded as the FP8 plane holds it; RoPE fused into

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
-from loopserve.model.attention.triton_paged_attn import _decode_fma_kernel, _merge_splits_kernel, _paged_attn_kernel
+from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
 from loopserve.model.attention.base import stored
 from loopserve.model.attention.segments import fresh_segments, subset
 from loopserve.model.batch import AttnMetadata
@@ -40,7 +40,6 @@ _MAX_SPLITS = 64
 _MIN_SPLIT_LEN = 128  # KV positions per split worth a program of its own
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DENSE_PREFILL_ROWS = 64  # shorter fresh segments stay in the paged kernel (one launch for all)
-FMA_BLOCK_N = 128  # KV positions per step of the FP8 decode kernel (the sweep's best on an H100)
 
 
 @dataclass(frozen=True)
@@ -146,24 +145,16 @@ class TritonAttention:
             l_part = torch.empty_like(m_part)
         else:
             acc, m_part, l_part = out, out, out  # the partial buffers are unused without SPLIT
-        if kv_scale is not None and group == 1 and window is None and num_rows == num_segs:
-            # FP8 decode, one query head per KV head: the FMA kernel (measured, docs/benchmarks.md)
-            _decode_fma_kernel[(num_rows, hkv, cfg.num_splits)](
-                q, cache, kv_scale, acc, m_part, l_part, meta.block_tables, meta.positions, num_rows,
-                cfg.num_splits, scale * math.log2(math.e), *q.stride(), *out.stride(), *cache.stride(),
-                meta.block_tables.stride(0), HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BLOCK_N=FMA_BLOCK_N,
-                BLOCK_D=block_d, SPLIT=split, KV_FP8=True, num_warps=4, num_stages=3)
-        else:
-            grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
-            _paged_attn_kernel[grid](
-                q, cache, kv_scale if kv_scale is not None else q, acc, m_part, l_part, meta.seg_starts,
-                meta.block_tables, meta.positions,
-                num_segs, num_rows, cfg.num_splits, scale * math.log2(math.e), window or 0,
-                *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
-                G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype, KV_FP8=kv_scale is not None,
-                num_warps=cfg.num_warps, num_stages=2)
+        grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
+        _paged_attn_kernel[grid](
+            q, cache, kv_scale if kv_scale is not None else q, acc, m_part, l_part, meta.seg_starts,
+            meta.block_tables, meta.positions,
+            num_segs, num_rows, cfg.num_splits, scale * math.log2(math.e), window or 0,
+            *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
+            G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype, KV_FP8=kv_scale is not None,
+            num_warps=cfg.num_warps, num_stages=2)
         if split:
             _merge_splits_kernel[(num_rows, hq)](
                 acc, m_part, l_part, out, num_rows, cfg.num_splits, *out.stride(),

@@ -13,8 +13,7 @@ small decode batches still fill the GPU; each chunk writes (max, sum, unnormalis
 storage dtype, or fp32 when q and the cache differ; "ieee" keeps fp32 dots out of TF32 (it
 does not change bf16/fp16 dots).
 
-Decode rows over an FP8 cache with one query head per KV head take `_decode_fma_kernel`
-instead (no tl.dot: see its docstring). An FP8 cache (KV_FP8) is read as stored (e4m3 converts exactly to bf16/fp16/fp32) and dots in
+An FP8 cache (KV_FP8) is read as stored (e4m3 converts exactly to bf16/fp16/fp32) and dots in
 q's dtype; its per-layer k_scale folds into the score scale and v_scale into the output, so
 dequantizing costs two scalar loads per program.
 """
@@ -159,56 +158,6 @@ def _paged_attn_kernel(Q, Cache, KVScale, Out, MPart, LPart, SegStarts, BlockTab
         out = acc / tl.where(valid, l_i, 1.0)[:, None]  # rows past the segment have l = 0
         tl.store(Out + row[:, None].to(tl.int64) * so_t + head[:, None] * so_h + d[None, :] * so_d,
                  out.to(Out.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _decode_fma_kernel(Q, Cache, KVScale, Out, MPart, LPart, BlockTables, Positions, num_rows, num_splits,
-                       qk_scale, sq_t, sq_h, sq_d, so_t, so_h, so_d, sc_blk, sc_kv, sc_off, sc_h, sc_d, s_bt,
-                       HQ: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
-    """Decode rows (row = segment, one per request) of a cache with one query head per KV head
-    (G = 1): one program per (row, head, split), q·k and p·v as fp32 FMAs and row sums, as the
-    fused loop's attention phase. Without tl.dot nothing pads the single row to 16 or stages K/V
-    through shared memory for the MMA, which for an FP8 cache (converted on the way in) reads
-    K/V 1.65x faster (benchmarks/experiments/attn_sweep_gpu.py). Partials as _paged_attn_kernel's."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_hi = tl.load(Positions + row) + 1
-    kv_lo = 0
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_D
-    k_scale, v_scale = kv_scales(KVScale, KV_FP8)
-    q = tl.load(Q + row.to(tl.int64) * sq_t + head * sq_h + d * sq_d, mask=d_mask, other=0.0)
-    q = q.to(tl.float32) * (qk_scale * k_scale)
-    table = BlockTables + row.to(tl.int64) * s_bt
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        k, v, in_range = kv_tile(Cache + head * sc_h, table, kpos, kv_hi, d, d_mask, sc_blk, sc_kv, sc_off,
-                                 sc_d, PAGE)
-        s = tl.where(in_range, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every chunk holds a position
-        p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m_i = m_new
-    acc = acc * v_scale
-    if SPLIT:
-        part = (split * num_rows + row).to(tl.int64) * HQ + head
-        tl.store(MPart + part + tl.arange(0, 1), m_i)
-        tl.store(LPart + part + tl.arange(0, 1), l_i)
-        tl.store(Out + part * HEAD_D + d, acc, mask=d_mask)
-    else:
-        tl.store(Out + row.to(tl.int64) * so_t + head * so_h + d * so_d, (acc / l_i).to(Out.dtype.element_ty),
-                 mask=d_mask)
 
 
 @triton.jit
