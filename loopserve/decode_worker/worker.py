@@ -26,7 +26,7 @@ from dataclasses import replace
 from loopserve.kv_transfer.leases import ReceiveTracker
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
-from loopserve.protocol.stats import DecodeStats, HandoffLatency, KVReadStats, WorkerStats
+from loopserve.protocol.stats import DecodeStats, WorkerStats
 from loopserve.worker_host.transfer_host import TransferHost
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,6 @@ class DecodeWorker(TransferHost):
         return super()._abort_locked(request_id)
 
     def _stats(self) -> WorkerStats:
-        h = self.handoff_latency
-        return replace(super()._stats(), decode=DecodeStats(
-            KVReadStats(**self.reads), HandoffLatency(tuple(h["le"]), tuple(h["counts"]), h["count"], h["sum"]),
-            inbox=len(self._inbox), reading=len(self._reading)))
+        return replace(super()._stats(), decode=DecodeStats.from_dict(
+            {"kv_reads": self.reads, "handoff_latency": self.handoff_latency,
+             "inbox": len(self._inbox), "reading": len(self._reading)}))
