@@ -130,16 +130,19 @@ def test_planes_stay_runs_of_adjacent_blocks_after_the_pool_cycles():
     m.check()
 
 
-@pytest.mark.parametrize("extra", [0, 1, 3])
-def test_a_handoff_read_is_one_descriptor_when_the_sides_differ_in_length(extra):
+@pytest.mark.parametrize("n,extra,bs", [(9, 0, 4), (9, 1, 4), (9, 3, 4), (65, 1, 16), (256, 1, 16)])
+def test_a_handoff_read_is_one_descriptor_when_the_sides_differ_in_length(n, extra, bs):
     """The prefill side holds the prompt's n blocks per plane, the decode side n + extra (room
     for the tokens to come): the READ of blocks 0..n-1 of every plane is one run on both sides,
-    also after the pools cycled."""
-    planes, n = 4, 9
-    prefill, decode = make(blocks=64, flat=16, bs=4), make(blocks=64, flat=16, bs=4)
+    also after the pools cycled (1040- and 4096-token prompts at block 16 among the cases)."""
+    planes = 4
+    blocks = 3 * planes * (n + extra)
+    prefill, decode = (make(blocks=blocks, flat=3 * (n + extra), bs=bs) for _ in range(2))
     for side, length in ((prefill, n), (decode, n + extra)):
-        assert side.allocate("warm", 4 * 5, planes)  # the pools past their first cycle
-        side.free("warm")
-        assert side.allocate("r", 4 * length, planes)
+        for rid in ("w1", "w2"):  # the pools past their first cycle
+            assert side.allocate(rid, bs * (n // 2 + 1), planes)
+        side.free("w1")
+        assert side.allocate("r", bs * length, planes)
+        side.free("w2")
     local, remote = decode.block_table("r").depth, prefill.block_table("r").depth
     assert read_runs(local, remote, n) == 1
