@@ -9,7 +9,7 @@ differ. `--device cpu` runs the same on DRAM over UCX tcp/cma (the sandbox's che
 script works; its figures are not the GPU's).
 
 Usage (from the repository root): python benchmarks/experiments/nixl_split_gpu.py [--device cuda]
-       [--blocks 512,2048] [--splits 1,2,4,8,16] [--ops READ,WRITE] [--reps 5]
+       [--blocks 512,2048] [--splits 1,2,4,8,16] [--ops READ,WRITE] [--reps 5] [--notif]
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ def copy_s(dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
     return best
 
 
-def transfer_s(w: NixlKVWorker, op: str, peer, ids: np.ndarray, k: int, reps: int) -> float:
-    """Best wall time of `op` over `ids` (same ids on both sides) as k concurrent transfers."""
+def transfer_s(w: NixlKVWorker, op: str, peer, ids: np.ndarray, k: int, reps: int, notif: bytes = b"") -> float:
+    """Best wall time of `op` over `ids` (same ids on both sides) as k concurrent transfers,
+    each carrying `notif` to the peer (the connector's READ carries one)."""
     best = float("inf")
     for _ in range(reps + 1):
         parts = np.array_split(ids, k)
         t0 = time.perf_counter()
-        hs = [w.agent.make_prepped_xfer(op, w._dlist, q, peer.dlist, q, b"") for q in parts]
+        hs = [w.agent.make_prepped_xfer(op, w._dlist, q, peer.dlist, q, notif) for q in parts]
         for h in hs:
             if w.agent.transfer(h) == "ERR":
                 raise RuntimeError(f"NIXL {op} failed to post")
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8,16")
     ap.add_argument("--ops", default="READ,WRITE")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--notif", action="store_true",
+                    help="also time each op with a notification as the connector's READ sends")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
     counts = [int(c) for c in args.blocks.split(",")]
@@ -98,9 +101,12 @@ def main() -> None:
             del scratch
             for op in args.ops.split(","):
                 for k in (int(s) for s in args.splits.split(",")):
-                    t = transfer_s(w, op, peer, np.arange(count, dtype=np.int32), k, args.reps)
-                    print(f"{count} blocks ({nbytes / 2**30:.2f} GiB) {op:5s} k={k:2d}: {nbytes / t / 1e9:7.1f} GB/s "
-                          f"vs copy {nbytes / tc / 1e9:7.1f} -> {tc / t:.2f}x", flush=True)
+                    for notif in (b"", b'{"kind": "read", "ids": ["r"]}')[:1 + args.notif]:
+                        t = transfer_s(w, op, peer, np.arange(count, dtype=np.int32), k, args.reps, notif)
+                        tag = "+notif" if notif else ""
+                        print(f"{count} blocks ({nbytes / 2**30:.2f} GiB) {op + tag:11s} k={k:2d}: "
+                              f"{nbytes / t / 1e9:7.1f} GB/s vs copy {nbytes / tc / 1e9:7.1f} -> {tc / t:.2f}x",
+                              flush=True)
     finally:
         a.send("stop")
         p.join(30)
