@@ -3,6 +3,8 @@
 # has a time limit, and the tables start no cell past their --budget-s; cells print as they end):
 #   read:  a handoff's NIXL READ vs a device-to-device copy of the same bytes, and the wait
 #          before it (benchmarks/kv_read_gpu.py on configs/h200-1p1d.yaml, 1040-token prompt);
+#          then NIXL alone at that size, one transfer, with and without the READ's notification
+#          (benchmarks/experiments/nixl_split_gpu.py --notif);
 #   bf16:  the throughput table (benchmarks/throughput.py: C = 1..256, 1K and 4K prompts, fixed
 #          and adaptive exit, bf16 KV) and the same workload at C = 64 through `loopserve serve`;
 #   fp8:   the table with --kv-cache-dtype fp8_e4m3, where EngineConfig has that field;
@@ -36,6 +38,8 @@ step() {  # step NAME SECONDS COMMAND...: runs it into the log (and NAME.log), c
 TABLE=("$PY" benchmarks/throughput.py --cs 1,8,32,64,128,256 --prompt-lens 1024,4096 --output-len 128 --max-seconds 30)
 step read 80 "$PY" benchmarks/kv_read_gpu.py --config configs/h200-1p1d.yaml --prompt-tokens 1040 --reps 5 \
   --backlog 16 --json "$DIR/kv_read.json"
+[[ " $steps " == *" read "* ]] && steps="$steps read_nixl"
+step read_nixl 60 "$PY" benchmarks/experiments/nixl_split_gpu.py --blocks 272 --splits 1 --ops READ --reps 5 --notif
 step bf16 270 "${TABLE[@]}" --budget-s 140 --server-c 64 --json "$DIR/throughput_bf16.json"
 if "$PY" -c "from loopserve.engine.config import EngineConfig as E; assert 'kv_cache_dtype' in E.model_fields" 2>/dev/null; then
   step fp8 130 "${TABLE[@]}" --budget-s 100 --kv-cache-dtype fp8_e4m3 --json "$DIR/throughput_fp8.json"
@@ -46,5 +50,5 @@ fi
 step profile 100 "$PY" benchmarks/profile_gpu.py --cs 1,32,64 --prompt-len 1024 --steps 32
 step profile_fp8 70 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --steps 32 --kv-cache-dtype fp8_e4m3
 step sweep 120 env PYTHONPATH=".:$PYTHONPATH" "$PY" benchmarks/experiments/attn_sweep_gpu.py --batches 32 --splits 1
-grep -hE '^\[(idle|backlog)\]|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
-  "$DIR"/read.log "$DIR"/bf16.log "$DIR"/fp8.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
+grep -hE '^\[(idle|backlog)\]| blocks \(|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
+  "$DIR"/read.log "$DIR"/read_nixl.log "$DIR"/bf16.log "$DIR"/fp8.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
