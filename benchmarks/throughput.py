@@ -22,6 +22,8 @@ Columns:
   of floor:   floor time / wall time (1.0 = at the floor);
   tok/step:   output tokens / engine steps (Operations batches), and against lockstep
               C / (mean depth + 2) (PRELUDE, the loops, CODA);
+  full:       the same ratio over only the steps taken while all C requests were in flight
+              (the batch width apart from the closed loop's fill and drain);
   pool holds: requests of P + output tokens the KV pool holds at once; a C above it does
               not fit and is printed so (not run);
   s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
@@ -67,6 +69,7 @@ from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
+from loopserve.scheduler.policy import POLICIES
 from loopserve.protocol.sampling_params import SamplingParams
 
 TOP_LOGPROBS = 20  # the most SamplingParams allows: a near-tie's gap needs the other token in it
@@ -91,6 +94,7 @@ class Cell:
     of_floor: float = 0.0
     steps: int = 0
     tok_per_step: float = 0.0
+    full_of_lockstep: float = 0.0  # tok/step ÷ lockstep over the steps with all C in flight
     mean_depth: float = 0.0
     of_lockstep: float = 0.0
 
@@ -106,6 +110,7 @@ class Table:
         self.kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                            max_model_len=max(args.prompt_lens) + args.output_len,
                            max_num_batched_tokens=args.max_num_batched_tokens,
+                           policy=args.policy, split_prefill=args.split_prefill or args.policy == "mixed",
                            enable_prefix_caching=False,  # cells reuse prompts: each must prefill them
                            **(GPU_FEATURES if self.device.type == "cuda" else {}),
                            **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
@@ -167,8 +172,16 @@ def params(mode: str, args: argparse.Namespace, max_loops: int, max_tokens: int,
                           **loops)
 
 
+@dataclass
+class FullWidth:
+    """Engine steps (batches) taken while all C requests were in flight, and the output
+    tokens they gave: the width apart from the closed loop's fill and drain."""
+    steps: int = 0
+    tokens: int = 0
+
+
 def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingParams], c: int,
-                deadline: float) -> tuple[dict[str, RequestResult], bool]:
+                deadline: float, full: FullWidth | None = None) -> tuple[dict[str, RequestResult], bool]:
     """Run the requests with `c` in flight until all end, or abort the rest at `deadline`."""
     results: dict[str, RequestResult] = {}
     order = [f"r{i}" for i in range(len(prompts))]
@@ -180,7 +193,13 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
             results[rid] = RequestResult(rid)
             live.add(rid)
             nxt += 1
-        for o in engine.step():
+        at_width = full is not None and len(live) == c
+        batches0 = sum(engine.counters.batches.values()) if at_width else 0
+        outputs = engine.step()
+        if at_width:
+            full.steps += sum(engine.counters.batches.values()) - batches0
+            full.tokens += sum(len(o.new_token_ids) for o in outputs)
+        for o in outputs:
             r = results[o.request_id]
             r.token_ids.extend(o.new_token_ids)
             r.exit_depths.extend(o.exit_depths)
@@ -216,8 +235,9 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     n = 2 * c
     sp = [params(mode, args, table.max_loops, args.output_len, logprobs=i < check) for i in range(n)]
     batches0 = sum(engine.counters.batches.values())
+    full = FullWidth()
     t0 = time.perf_counter()
-    results, cell.cut = closed_loop(engine, prompts[:n], sp, c, t0 + args.max_seconds)
+    results, cell.cut = closed_loop(engine, prompts[:n], sp, c, t0 + args.max_seconds, full)
     cell.wall_s = time.perf_counter() - t0
     done = [r for r in results.values() if r.finish_reason == "length"]
     outputs = [len(r.token_ids) for r in results.values()]
@@ -229,7 +249,9 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     cell.floor_s = table.floor_s(rates, prompt_len, c, outputs, cell.mean_depth)
     cell.of_floor = cell.floor_s / cell.wall_s
     cell.tok_per_step = cell.output_tokens / max(1, cell.steps)
-    cell.of_lockstep = cell.tok_per_step / (c / (cell.mean_depth + 2)) if cell.mean_depth else 0.0
+    lockstep = c / (cell.mean_depth + 2) if cell.mean_depth else 0.0
+    cell.of_lockstep = cell.tok_per_step / lockstep if lockstep else 0.0
+    cell.full_of_lockstep = full.tokens / full.steps / lockstep if lockstep and full.steps else 0.0
     return cell, results
 
 
@@ -246,7 +268,7 @@ def compare(ref: dict[str, RequestResult], got: dict[str, RequestResult], tie_na
 
 
 HEADER = (f"{'P':>5} {'mode':>8} {'C':>4} {'tok/s':>9} {'floor s':>8} {'of floor':>8} {'tok/step':>8} "
-          f"{'lockstep':>8} {'depth':>5} {'holds':>5} {'s':>6}  note")
+          f"{'lockstep':>8} {'full':>5} {'depth':>5} {'holds':>5} {'s':>6}  note")
 
 
 def fmt(c: Cell) -> str:
@@ -256,7 +278,8 @@ def fmt(c: Cell) -> str:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  skipped: the table is past --budget-s"
     note = f"cut at --max-seconds after {c.requests}/{2 * c.c} requests" if c.cut else ""
     return (f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4} {c.tok_s:>9.1f} {c.floor_s:>8.3f} {c.of_floor:>8.2f} "
-            f"{c.tok_per_step:>8.2f} {c.of_lockstep:>8.2f} {c.mean_depth:>5.2f} {c.pool_holds:>5} "
+            f"{c.tok_per_step:>8.2f} {c.of_lockstep:>8.2f} {c.full_of_lockstep:>5.2f} {c.mean_depth:>5.2f} "
+            f"{c.pool_holds:>5} "
             f"{c.wall_s:>6.1f}  {note}(warm-up {c.warmup_s:.1f} s)")
 
 
@@ -342,6 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=None, help="default: sized from free memory")
     p.add_argument("--reserve-gib", type=float, default=6.0, help="GPU memory left beside the KV pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="refill",
+                   help="the scheduler policy (mixed turns split prefill on)")
+    p.add_argument("--split-prefill", action="store_true")
     p.add_argument("--server-c", type=int, default=0,
                    help="also serve the first prompt length's fixed-depth cell at this C through `loopserve serve`")
     p.add_argument("--threads", type=int, default=1,

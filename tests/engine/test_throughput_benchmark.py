@@ -48,10 +48,24 @@ def test_table_on_cpu(tmp_path):
             assert 1 <= cell["mean_depth"] <= 4
     # one request at a time at fixed depth: PRELUDE, 4 loops, CODA per token, i.e. lockstep
     assert cells[("fixed", 1)]["of_lockstep"] == pytest.approx(1.0)
+    for c in (1, 2):  # equal requests at fixed depth enter and leave together: every step at width
+        assert cells[("fixed", c)]["full_of_lockstep"] == pytest.approx(1.0)
+    assert 0 < cells[("adaptive", 2)]["full_of_lockstep"] <= 1.0
     for mode in ("fixed", "adaptive"):
         chk = res["checks"][f"{P}/{mode}"]
         assert chk["c"] == 2 and chk["of"] == 2 and not chk["beyond"]
     assert res["rates"]["copy_GBps"] > 0 and res["rates"]["matmul_TFLOPs"] > 0
+
+
+def test_table_under_the_mixed_policy(tmp_path):
+    """--policy mixed (split prefill on): prompt chunks share decode batches; fixed depth
+    still runs in lockstep, and the greedy check holds."""
+    res = run(tmp_path, "--cs", "1,2", "--modes", "fixed", "--check", "2", "--policy", "mixed")
+    cells = {c["c"]: c for c in res["cells"]}
+    for c in (1, 2):
+        assert cells[c]["requests"] == 2 * c and cells[c]["output_tokens"] == 2 * c * OUT
+        assert cells[c]["of_lockstep"] == pytest.approx(1.0) and cells[c]["full_of_lockstep"] == pytest.approx(1.0)
+    assert not res["checks"][f"{P}/fixed"]["beyond"]
 
 
 def test_served_arm_on_cpu(tmp_path):
