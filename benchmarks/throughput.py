@@ -69,8 +69,8 @@ from loopserve.engine.config import GPU_FEATURES, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
-from loopserve.scheduler.policy import POLICIES
 from loopserve.protocol.sampling_params import SamplingParams
+from loopserve.scheduler.policy import POLICIES
 
 TOP_LOGPROBS = 20  # the most SamplingParams allows: a near-tie's gap needs the other token in it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -287,7 +287,7 @@ def ouro_loop_kernel(
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). KVScales:
     [L, 2] fp32 (k_scale, v_scale) of an FP8 cache (KV_FP8). Times:
     [phases, programs, 3] int64 when TIMING (see _stamp). PF_K > 0 (a GPU with the barrier):
-    after its work each program asks L2 for the first PF_K columns of its tile of the next
+    after its work each program asks L2 for the first PF_K columns of its first tile of the next
     GEMV phase (_prefetch): o during attention, gate/up from attention on, down, next qkv."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
