@@ -4,8 +4,10 @@ and the nested `scheduler` section give one config; unknown keys and bad values 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.llm import make_config
 from loopserve.scheduler import SchedulerConfig, SpeculativeConfig
 from loopserve.scheduler.policy import POLICIES
@@ -63,3 +65,18 @@ def test_draft_length_bounds_name_the_field_and_limit(kw, needles):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kw)
     assert all(n in str(e.value) for n in needles), str(e.value)
+
+
+@pytest.mark.parametrize("device, on", [("cpu", False), ("cuda", True)])
+def test_gpu_paths_are_on_by_default_for_cuda_only(device, on):
+    """The defaults resolve to the GPU paths on a CUDA device (what scripts/gpu_check.sh checks)
+    and to none on the CPU; a prefill engine reads its samples back at once."""
+    paths = GpuPaths.resolve(EngineConfig(), torch.device(device))
+    assert (paths.cuda_graphs, paths.defer_readback, paths.fused_loop_rows > 0) == (on, on, on)
+    assert paths.fused_loop_rows == EngineConfig().fused_loop_rows if on else paths.fused_loop_rows == 0
+    assert not GpuPaths.resolve(EngineConfig(role="prefill"), torch.device(device)).defer_readback
+    off = GpuPaths.resolve(EngineConfig(cuda_graphs=False, fused_loop="off", defer_readback=False),
+                           torch.device(device))
+    assert (off.cuda_graphs, off.defer_readback, off.fused_loop_rows) == (False, False, 0)
+    if on:  # GPU_FEATURES, as the GPU tests give them, are the CUDA defaults
+        assert GpuPaths.resolve(EngineConfig(**GPU_FEATURES), torch.device(device)) == paths
