@@ -4,7 +4,9 @@ Decode rows of `ouro-1.4b-shape` (16 heads x 128, G = 1), each one request at po
 randomly placed blocks; times the paged kernel alone (no K/V write, no merge unless split) from
 CUDA graphs for BLOCK_N x warps x stages x splits x dot dtype, and prints each against the K/V
 bytes at the copy rate measured in the same run. FP8 dots in bf16 (today's) or fp16 (e4m3
-converts exactly to both; fp16's conversion is one instruction per two values on sm_89+).
+converts exactly to both; fp16's conversion is one instruction per two values on sm_89+). The FMA
+column is `_decode_fma_kernel` (no tl.dot; TritonAttention's kernel for FP8 decode rows with
+G = 1), once per cache dtype, printed under the bf16-dot rows.
 
     PYTHONPATH=. python benchmarks/experiments/attn_sweep_gpu.py [--batches 32,64] [--ctx 1024]
 """
@@ -21,48 +23,24 @@ import triton
 import triton.language as tl
 
 from benchmarks.attention_gpu import copy_bandwidth, decode_case, graph_ms
-from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel, kv_tile
+from loopserve.model.attention.triton_paged_attn import (_decode_fma_kernel, _merge_splits_kernel,
+                                                         _paged_attn_kernel)
 from loopserve.model.paged_kv import FP8
 
 
-@triton.jit
-def _fma_decode_kernel(Q, Cache, Out, BlockTables, Positions, qk_scale, sc_blk, sc_kv, sc_off, sc_h, sc_d, s_bt,
-                       HQ: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One decode row x one head (G = 1) without tl.dot: q . k as FMAs and a row reduction (the
-    fused loop's attention phase), so no shared-memory transpose and no 16-row padding."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_D)
-    d_mask = d < HEAD_D
-    q = tl.load(Q + (row * HQ + h) * HEAD_D + d).to(tl.float32) * qk_scale
-    kv_hi = tl.load(Positions + row) + 1
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_D], tl.float32)
-    for n0 in range(0, kv_hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        k, v, in_range = kv_tile(Cache + h * sc_h, BlockTables + row * s_bt, kpos, kv_hi, d, d_mask, sc_blk,
-                                 sc_kv, sc_off, sc_d, PAGE)
-        s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)
-        s = tl.where(in_range, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m_i = m_new
-    tl.store(Out + (row * HQ + h) * HEAD_D + d, (acc / l_i).to(Out.dtype.element_ty))
-
-
-def launch_fma(q, cache, meta, block_n, warps, stages):
+def launch_fma(q, cache, meta, kv_scale, block_n, warps, stages):
+    """The product `_decode_fma_kernel` (one split), as TritonAttention launches it for FP8 decode rows
+    with G = 1 (BLOCK_N 128, 4 warps, 3 stages); a bf16 cache runs it too (KV_FP8 off)."""
     rows, hq, d = q.shape
     out = torch.empty_like(q)
 
     def fn():
-        _fma_decode_kernel[(rows, hq)](q, cache, out, meta.block_tables, meta.positions,
-                                       d ** -0.5 * math.log2(math.e), *cache.stride(), meta.block_tables.stride(0),
-                                       HQ=hq, HEAD_D=d, PAGE=meta.block_size, BLOCK_N=block_n,
-                                       num_warps=warps, num_stages=stages)
+        _decode_fma_kernel[(len(meta.seg_bounds), hq, 1)](
+            q, cache, kv_scale if kv_scale is not None else q, out, out, out, meta.seg_starts,
+            meta.block_tables, meta.positions, rows, 1, d ** -0.5 * math.log2(math.e), 0,
+            *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
+            HQ=hq, HEAD_D=d, PAGE=meta.block_size, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+            HAS_WINDOW=False, SPLIT=False, KV_FP8=kv_scale is not None, num_warps=warps, num_stages=stages)
     return fn, out
 
 
@@ -129,8 +107,8 @@ def main() -> None:
             for t, bn, w, st, sp, err in best[:6] + best[-1:]:
                 print(f"  {t:7.1f} us  {floor / t:4.2f} of floor  BLOCK_N {bn:3d} warps {w} stages {st} "
                       f"splits {sp}  max|d| vs first {err:.3g}")
-            for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)) if dot != tl.bfloat16 or kv == "bf16" else ():
-                fn, out = launch_fma(q, c, meta, bn, w, st)
+            for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)) if dot == tl.bfloat16 else ():
+                fn, out = launch_fma(q, c, meta, s, bn, w, st)
                 try:
                     t = graph_ms(fn) * 1e3
                 except Exception as e:  # noqa: BLE001

@@ -81,6 +81,29 @@ def make_case(seg_positions: list[list[int]], hq: int, hkv: int, head_dim: int, 
     return Case(q, k, v, pool, layers - 1, meta, head_dim ** -0.5, rot, kv_scale)
 
 
+class LaunchCount:
+    """Stands in for a Triton kernel a module launches by name (monkeypatch it in) and counts
+    the launches: which kernel served a batch."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def count_attention_launches(monkeypatch) -> dict[str, LaunchCount]:
+    """{"fma": ..., "dot": ...}: the backend's `_decode_fma_kernel` and `_paged_attn_kernel`."""
+    from loopserve.model.attention import triton_backend
+
+    spies = {"fma": LaunchCount(triton_backend._decode_fma_kernel),
+             "dot": LaunchCount(triton_backend._paged_attn_kernel)}
+    monkeypatch.setattr(triton_backend, "_decode_fma_kernel", spies["fma"])
+    monkeypatch.setattr(triton_backend, "_paged_attn_kernel", spies["dot"])
+    return spies
+
+
 def random_segments(seed: int, num_segs: int, max_pos: int, max_rows: int) -> list[list[int]]:
     """Mixed decode (one row) and prefill-like (many rows, gaps allowed) segments, one empty."""
     rng = random.Random(seed)

@@ -17,7 +17,8 @@ from loopserve.model.attention.triton_backend import TritonAttention  # noqa: E4
 from loopserve.model.paged_kv import FP8  # noqa: E402
 from loopserve.model.registry import build_model, resolve_model  # noqa: E402
 from tests.fp8_accuracy import BOUNDS, fixed_depth, prompt, run_engine, teacher_forced_gap  # noqa: E402
-from tests.gpu.attn_cases import FP8_SCALES, assert_matches, make_case, random_segments  # noqa: E402
+from tests.gpu.attn_cases import FP8_SCALES, assert_matches, count_attention_launches, make_case  # noqa: E402
+from tests.gpu.attn_cases import random_segments  # noqa: E402
 from tests.gpu.fused_cases import compare  # noqa: E402
 from tests.gpu.fused_cases import make_case as fused_case  # noqa: E402
 from tests.gpu.test_fused_loop_gpu import MID  # noqa: E402
@@ -32,6 +33,18 @@ def test_decode_mixed_context_lengths(block_size):
     case = make_case([[c - 1] for c in ctx], hq=32, hkv=8, head_dim=128, block_size=block_size,
                      dtype=BF16, device="cuda", kv_scales=FP8_SCALES)
     assert_matches(case, TritonAttention())
+
+
+@pytest.mark.parametrize("kv_splits", [None, 4])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_one_head_per_kv_head(block_size, kv_splits, monkeypatch):
+    """Ouro's heads (16 x 128, G = 1), decode rows: `_decode_fma_kernel` serves them."""
+    ctx = [1, 2, 15, 16, 17, 63, 64, 65, 1000, 2047, 3000] * 4
+    case = make_case([[c - 1] for c in ctx], hq=16, hkv=16, head_dim=128, block_size=block_size,
+                     dtype=BF16, device="cuda", kv_scales=FP8_SCALES)
+    spies = count_attention_launches(monkeypatch)
+    assert_matches(case, TritonAttention(kv_splits=kv_splits))
+    assert (spies["fma"].launches, spies["dot"].launches) == (1, 0)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

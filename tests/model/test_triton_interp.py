@@ -178,3 +178,59 @@ def test_fp8_cache_needs_its_scales():
     with pytest.raises(ValueError, match=r"kv_scale must be a contiguous fp32 \[2\]"):
         TritonAttention().forward(case.q, case.k, case.v, cache, case.meta, case.scale,
                                   kv_scale=case.kv_scale.double())
+
+
+FMA_CONTEXTS = [1, 2, 15, 16, 17, 63, 64, 65, 300, 1000]  # within, at and past a block's end
+
+
+def launched(spies) -> dict[str, int]:
+    return {name: spy.launches for name, spy in spies.items()}
+
+
+@pytest.mark.parametrize("head_dim", [128, 96])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_decode_one_head_per_kv_head_takes_the_fma_kernel(head_dim, splits, monkeypatch):
+    """FP8 cache, G = 1, one row per segment: `_decode_fma_kernel` (4 splits leave the short
+    contexts' later splits empty: the merge must skip them)."""
+    from tests.gpu.attn_cases import FP8_SCALES, count_attention_launches
+
+    case = make_case([[c - 1] for c in FMA_CONTEXTS], hq=2, hkv=2, head_dim=head_dim, block_size=16,
+                     dtype=torch.bfloat16, device="cpu", seed=7, kv_scales=FP8_SCALES)
+    spies = count_attention_launches(monkeypatch)
+    assert_matches(case, TritonAttention(kv_splits=splits))
+    assert launched(spies) == {"fma": 1, "dot": 0}
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_decode_fma_kernel_sliding_window(splits, monkeypatch):
+    """A window of 40 (shorter and longer than the contexts), q strided as a fused projection's."""
+    from tests.gpu.attn_cases import FP8_SCALES, count_attention_launches
+
+    case = make_case([[c - 1] for c in FMA_CONTEXTS], hq=3, hkv=3, head_dim=32, block_size=8,
+                     dtype=torch.float32, device="cpu", seed=8, strided_q=True, kv_scales=FP8_SCALES)
+    spies = count_attention_launches(monkeypatch)
+    assert_matches(case, TritonAttention(kv_splits=splits), window=40)
+    assert launched(spies) == {"fma": 1, "dot": 0}
+
+
+def test_other_batches_keep_the_dot_kernel(monkeypatch):
+    """G = 2, a prefill segment among decode rows, or a bf16 cache: `_paged_attn_kernel`; fresh
+    prompts go to SDPA and the decode rows left over to the FMA kernel."""
+    from tests.gpu.attn_cases import FP8_SCALES, count_attention_launches
+
+    decode = [[c - 1] for c in (1, 17, 65, 200)]
+    cases = [
+        (make_case(decode, hq=4, hkv=2, head_dim=32, block_size=16, dtype=torch.bfloat16, device="cpu",
+                   kv_scales=FP8_SCALES), TritonAttention(kv_splits=2), {"fma": 0, "dot": 1}),
+        (make_case([*decode, [30, 31, 33]], hq=2, hkv=2, head_dim=32, block_size=16, dtype=torch.bfloat16,
+                   device="cpu", kv_scales=FP8_SCALES), TritonAttention(kv_splits=2), {"fma": 0, "dot": 1}),
+        (make_case(decode, hq=2, hkv=2, head_dim=32, block_size=16, dtype=torch.bfloat16, device="cpu"),
+         TritonAttention(), {"fma": 0, "dot": 1}),
+        (make_case([list(range(9)), *decode], hq=2, hkv=2, head_dim=32, block_size=16, dtype=torch.bfloat16,
+                   device="cpu", kv_scales=FP8_SCALES), TritonAttention(dense_prefill_rows=4),
+         {"fma": 1, "dot": 0}),
+    ]
+    for case, backend, want in cases:
+        spies = count_attention_launches(monkeypatch)
+        assert_matches(case, backend)
+        assert launched(spies) == want

@@ -8,7 +8,8 @@ A prompt's first chunk (rows = positions 0..n-1, none exited) reads nothing but 
 K/V, so those segments go to torch's SDPA (FlashAttention / cuDNN on Hopper) on the rows
 directly; the paged kernel takes the rest of the batch. An FP8 cache (a `kv_scale` given) is
 quantized by the write kernel and dequantized inside the paged kernel; SDPA's fresh rows see
-the same rounded K/V.
+the same rounded K/V. FP8 decode batches with one query head per KV head (every segment one
+row, G = 1) go to `_decode_fma_kernel` (no tl.dot; same split-KV partials and merge).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import triton.language as tl
 
 from loopserve.intmath import cdiv
 from loopserve.model.attention.triton_kv_write import triton_rope_write_kv, triton_write_kv
-from loopserve.model.attention.triton_paged_attn import _merge_splits_kernel, _paged_attn_kernel
+from loopserve.model.attention.triton_paged_attn import (_decode_fma_kernel, _merge_splits_kernel,
+                                                         _paged_attn_kernel)
 from loopserve.model.attention.base import stored
 from loopserve.model.attention.segments import fresh_segments, subset
 from loopserve.model.batch import AttnMetadata
@@ -40,6 +42,7 @@ _MAX_SPLITS = 64
 _MIN_SPLIT_LEN = 128  # KV positions per split worth a program of its own
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DENSE_PREFILL_ROWS = 64  # shorter fresh segments stay in the paged kernel (one launch for all)
+_FMA_BLOCK_N, _FMA_WARPS, _FMA_STAGES = 128, 4, 3  # _decode_fma_kernel's launch (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)
@@ -145,16 +148,26 @@ class TritonAttention:
             l_part = torch.empty_like(m_part)
         else:
             acc, m_part, l_part = out, out, out  # the partial buffers are unused without SPLIT
-        grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
-        _paged_attn_kernel[grid](
-            q, cache, kv_scale if kv_scale is not None else q, acc, m_part, l_part, meta.seg_starts,
-            meta.block_tables, meta.positions,
-            num_segs, num_rows, cfg.num_splits, scale * math.log2(math.e), window or 0,
-            *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
-            G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype, KV_FP8=kv_scale is not None,
-            num_warps=cfg.num_warps, num_stages=2)
+        qk_scale = scale * math.log2(math.e)
+        if cache.dtype == FP8 and group == 1 and all(b - a == 1 for a, b in meta.seg_bounds):
+            _decode_fma_kernel[(num_segs, hq, cfg.num_splits)](
+                q, cache, kv_scale, acc, m_part, l_part, meta.seg_starts, meta.block_tables, meta.positions,
+                num_rows, cfg.num_splits, qk_scale, window or 0,
+                *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
+                HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BLOCK_N=_FMA_BLOCK_N,
+                BLOCK_D=triton.next_power_of_2(head_d), HAS_WINDOW=window is not None, SPLIT=split,
+                KV_FP8=True, num_warps=_FMA_WARPS, num_stages=_FMA_STAGES)
+        else:
+            grid = (num_rows // cfg.rows_per_tile + num_segs, hkv, cfg.num_splits)
+            _paged_attn_kernel[grid](
+                q, cache, kv_scale if kv_scale is not None else q, acc, m_part, l_part, meta.seg_starts,
+                meta.block_tables, meta.positions,
+                num_segs, num_rows, cfg.num_splits, qk_scale, window or 0,
+                *q.stride(), *out.stride(), *cache.stride(), meta.block_tables.stride(0),
+                G=group, HQ=hq, HEAD_D=head_d, PAGE=meta.block_size, BQ=cfg.rows_per_tile,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                HAS_WINDOW=window is not None, SPLIT=split, DOT_DTYPE=dot_dtype, KV_FP8=kv_scale is not None,
+                num_warps=cfg.num_warps, num_stages=2)
         if split:
             _merge_splits_kernel[(num_rows, hq)](
                 acc, m_part, l_part, out, num_rows, cfg.num_splits, *out.stride(),

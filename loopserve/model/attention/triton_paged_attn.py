@@ -16,6 +16,9 @@ does not change bf16/fp16 dots).
 An FP8 cache (KV_FP8) is read as stored (e4m3 converts exactly to bf16/fp16/fp32) and dots in
 q's dtype; its per-layer k_scale folds into the score scale and v_scale into the output, so
 dequantizing costs two scalar loads per program.
+
+`_decode_fma_kernel` serves FP8 decode batches with G = 1 instead (no tl.dot; its docstring
+says why), writing the same split partials.
 """
 
 from __future__ import annotations
@@ -158,6 +161,67 @@ def _paged_attn_kernel(Q, Cache, KVScale, Out, MPart, LPart, SegStarts, BlockTab
         out = acc / tl.where(valid, l_i, 1.0)[:, None]  # rows past the segment have l = 0
         tl.store(Out + row[:, None].to(tl.int64) * so_t + head[:, None] * so_h + d[None, :] * so_d,
                  out.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _decode_fma_kernel(Q, Cache, KVScale, Out, MPart, LPart, SegStarts, BlockTables, Positions,
+                       num_rows, num_splits, qk_scale, window,
+                       sq_t, sq_h, sq_d, so_t, so_h, so_d,
+                       sc_blk, sc_kv, sc_off, sc_h, sc_d, s_bt,
+                       HQ: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
+    """Decode rows (one per segment) with one query head per KV head (G = 1, Ouro), without
+    tl.dot: q.k as fp32 FMAs and a row reduction, p.v likewise. Grid (segments, HQ, splits).
+    Why: on an H100 with an FP8 cache, `_paged_attn_kernel` pads the one row to 16 and stages
+    the converted K/V through shared memory for the MMA, reading K/V at 0.42-0.53 of the copy
+    rate; this reads it at 0.70 (BLOCK_N 128, 4 warps, 3 stages; docs/benchmarks.md). Same
+    metadata, window, scales and split partials (merged by `_merge_splits_kernel`)."""
+    seg = tl.program_id(0)
+    head = tl.program_id(1)  # = the KV head
+    split = tl.program_id(2)
+    row = tl.load(SegStarts + seg)
+    pos = tl.load(Positions + row)
+    kv_hi = pos + 1
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(pos - window + 1, 0)
+    if SPLIT:  # a split past the range reads nothing: m = -inf, l = 0, acc = 0 (the merge skips it)
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_D
+    k_scale, v_scale = kv_scales(KVScale, KV_FP8)
+    q = tl.load(Q + row.to(tl.int64) * sq_t + head * sq_h + d * sq_d, mask=d_mask, other=0.0)
+    q = q.to(tl.float32) * (qk_scale * k_scale)
+    k_base = Cache + head * sc_h
+    table = BlockTables + seg.to(tl.int64) * s_bt
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):  # [kv_lo, kv_hi) is exactly what the row sees
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k, v, in_range = kv_tile(k_base, table, kpos, kv_hi, d, d_mask, sc_blk, sc_kv, sc_off, sc_d, PAGE)
+        s = tl.where(in_range, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile holds a position in range
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m_i = m_new
+
+    acc = acc * v_scale
+    if SPLIT:
+        part = (split * num_rows + row).to(tl.int64) * HQ + head
+        tl.store(MPart + part, m_i)
+        tl.store(LPart + part, l_i)
+        tl.store(Out + part * HEAD_D + d, acc, mask=d_mask)
+    else:
+        tl.store(Out + row.to(tl.int64) * so_t + head * so_h + d * so_d,
+                 (acc / l_i).to(Out.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
