@@ -41,7 +41,7 @@ step() {  # step NAME COMMAND...: runs it into the log, remembers a failure
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step tests "$PY" -m pytest -p no:cacheprovider --durations=25 ${GPU_TEST_WORKERS:+-n "$GPU_TEST_WORKERS"} -m gpu tests/gpu
+step tests "$PY" -m pytest -p no:cacheprovider -rs --durations=25 ${GPU_TEST_WORKERS:+-n "$GPU_TEST_WORKERS"} -m gpu tests/gpu
 summary+=("tests: $(grep -Eo '[0-9]+ (passed|failed|error)[^=]*' "$LOG" | tail -1)")
 
 # The config's two workers hold 48 GiB of KV each: on a GPU under 120 GiB (an H100), 24 GiB.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The performance figures of issues 41 and 42 in one device call (at most 8 minutes: each step
+# The performance figures of issues 41 and 42 in one device call (at most 10 minutes: each step
 # has a time limit, and the tables start no cell past their --budget-s; cells print as they end):
 #   read:  a handoff's NIXL READ vs a device-to-device copy of the same bytes, and the wait
 #          before it (benchmarks/kv_read_gpu.py on configs/h200-1p1d.yaml, 1040-token prompt);
@@ -36,11 +36,11 @@ step() {  # step NAME SECONDS COMMAND...: runs it into the log (and NAME.log), c
 }
 
 TABLE=("$PY" benchmarks/throughput.py --cs 1,8,32,64,128,256 --prompt-lens 1024,4096 --output-len 128 --max-seconds 30)
-step read 80 "$PY" benchmarks/kv_read_gpu.py --config configs/h200-1p1d.yaml --prompt-tokens 1040 --reps 5 \
+step read 140 "$PY" benchmarks/kv_read_gpu.py --config configs/h200-1p1d.yaml --prompt-tokens 1040 --reps 5 \
   --backlog 16 --json "$DIR/kv_read.json"
 [[ " $steps " == *" read "* ]] && steps="$steps read_nixl"
-step read_nixl 60 "$PY" benchmarks/experiments/nixl_split_gpu.py --blocks 272 --splits 1 --ops READ --reps 5 --notif
-step bf16 270 "${TABLE[@]}" --budget-s 140 --server-c 64 --json "$DIR/throughput_bf16.json"
+step read_nixl 40 "$PY" benchmarks/experiments/nixl_split_gpu.py --blocks 272 --splits 1 --ops READ --reps 5 --notif
+step bf16 260 "${TABLE[@]}" --budget-s 140 --server-c 64 --json "$DIR/throughput_bf16.json"
 if "$PY" -c "from loopserve.engine.config import EngineConfig as E; assert 'kv_cache_dtype' in E.model_fields" 2>/dev/null; then
   step fp8 130 "${TABLE[@]}" --budget-s 100 --kv-cache-dtype fp8_e4m3 --json "$DIR/throughput_fp8.json"
 elif [[ " $steps " == *" fp8 "* ]]; then
