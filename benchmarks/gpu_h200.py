@@ -26,7 +26,7 @@ import traceback
 import torch
 
 from loopserve.bench.rates import device_time, measure_rates, prefill_flops, weight_bytes_per_token
-from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.config import GPU_FEATURES, GPU_PATHS_OFF, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.model.registry import resolve_model
 from loopserve.protocol.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ def engine(model, name: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**cfg), model=model)
 
 
-DECODE_MODES = {"eager": dict(cuda_graphs=False, fused_loop="off", defer_readback=False),
+DECODE_MODES = {"eager": GPU_PATHS_OFF,
                 "graphs": {**GPU_FEATURES, "fused_loop": "off"},
                 "fused": {**GPU_FEATURES, "fused_loop": "on", "fused_loop_rows": 8}}
 

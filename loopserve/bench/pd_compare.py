@@ -128,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="the config's engine.num_blocks instead (a smaller GPU than the config's)")
     p.add_argument("--gpu-features", action="store_true",
-                   help=f"with --config: the engine's GPU paths on ({GPU_FEATURES}; off by default)")
+                   help=f"with --config: the engine's GPU paths on explicitly ({GPU_FEATURES}; the CUDA "
+                        "defaults unless the config turns one off)")
     p.add_argument("--tie-nats", type=float, default=0.25,
                    help="1P1D may pick another greedy token than colocated only where the two are this close")
     p.add_argument("--launcher", choices=["process", "ray"], default="process")

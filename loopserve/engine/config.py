@@ -20,6 +20,9 @@ DEFAULT_MODEL = "tiny-ouro-chains"
 # The GPU paths (see EngineConfig) asked for explicitly: what the defaults resolve to on CUDA,
 # given as such by the GPU tests and benchmarks so that they hold whatever the defaults are.
 GPU_FEATURES: dict[str, object] = {"cuda_graphs": True, "fused_loop": "auto", "defer_readback": True}
+# The same paths off: eager launches, each sample read back at once (the GPU tests' and
+# benchmarks' baseline).
+GPU_PATHS_OFF: dict[str, object] = {"cuda_graphs": False, "fused_loop": "off", "defer_readback": False}
 
 
 class EngineConfig(BaseModel):

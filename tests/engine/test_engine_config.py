@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.config import GPU_FEATURES, GPU_PATHS_OFF, EngineConfig
 from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.llm import make_config
 from loopserve.scheduler import SchedulerConfig, SpeculativeConfig
@@ -75,8 +75,7 @@ def test_gpu_paths_are_on_by_default_for_cuda_only(device, on):
     assert (paths.cuda_graphs, paths.defer_readback, paths.fused_loop_rows > 0) == (on, on, on)
     assert paths.fused_loop_rows == EngineConfig().fused_loop_rows if on else paths.fused_loop_rows == 0
     assert not GpuPaths.resolve(EngineConfig(role="prefill"), torch.device(device)).defer_readback
-    off = GpuPaths.resolve(EngineConfig(cuda_graphs=False, fused_loop="off", defer_readback=False),
-                           torch.device(device))
+    off = GpuPaths.resolve(EngineConfig(**GPU_PATHS_OFF), torch.device(device))
     assert (off.cuda_graphs, off.defer_readback, off.fused_loop_rows) == (False, False, 0)
     if on:  # GPU_FEATURES, as the GPU tests give them, are the CUDA defaults
         assert GpuPaths.resolve(EngineConfig(**GPU_FEATURES), torch.device(device)) == paths

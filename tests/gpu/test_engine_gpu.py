@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.config import GPU_FEATURES, GPU_PATHS_OFF, EngineConfig
 from loopserve.engine.engine_core import EngineCore
 from loopserve.engine.state_store import StateStore
 from loopserve.model.dense_reference import dense_forward, dense_greedy_generate
@@ -29,7 +29,7 @@ def _run(engine: EngineCore, work) -> dict[str, list[int]]:
 
 
 def _engine(family: str, model, dtype: str, **kw) -> EngineCore:
-    """The GPU features on (off by default until gpu_check passes), `kw` over them."""
+    """The GPU features on (the CUDA defaults, given explicitly), `kw` over them."""
     return EngineCore(EngineConfig(model=family, device="cuda", dtype=dtype, block_size=16,
                                    num_blocks=1024, max_model_len=128, **{**GPU_FEATURES, **kw}), model=model)
 
@@ -173,7 +173,7 @@ def test_long_prompts_and_many_requests_with_the_gpu_defaults(family):
     waves.append([req(f"many-{i}", rng.randrange(1, 600), rng.choice([0.6, 1.0])) for i in range(24)])
     got = {}
     for eager in (True, False):
-        kw = dict(cuda_graphs=False, fused_loop="off", defer_readback=False) if eager else GPU_FEATURES
+        kw = GPU_PATHS_OFF if eager else GPU_FEATURES
         e = EngineCore(EngineConfig(model=family, device="cuda", block_size=16, num_blocks=8192,
                                     max_model_len=4096, max_num_seqs=16, **kw), model=model)
         got[eager] = {}

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)  # keep the kernels un-imported on CPU
 
-from loopserve.engine.config import GPU_FEATURES, EngineConfig  # noqa: E402
+from loopserve.engine.config import GPU_FEATURES, GPU_PATHS_OFF, EngineConfig  # noqa: E402
 from loopserve.engine.engine_core import EngineCore  # noqa: E402
 from loopserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from loopserve.model.paged_kv import FP8  # noqa: E402
@@ -84,12 +84,12 @@ def test_fused_loop(dtype, atol, barrier):
 def test_engine_within_the_fp8_bound(family, features):
     """bf16 weights, FP8 KV (what a benchmark gets from EngineConfig(kv_cache_dtype="fp8_e4m3")),
     prompts past the state slab and the default max_model_len, decoded together; features on:
-    CUDA graphs, deferred read-back, the fused loop (Ouro)."""
+    CUDA graphs, deferred read-back, the fused loop (Ouro) up to 8 rows; off: eager."""
     reference = resolve_model(family, dtype=torch.float32, device="cpu", seed=0)
     model = resolve_model(family, dtype=BF16, device="cuda", seed=0)
     loops = model.default_loop_params.max_loops
     reqs = {f"r{n}": (prompt(n, n, model.vocab_size), fixed_depth(8, n, loops)) for n in (1, 9, 40, *LONG_PROMPTS[:2])}
-    extra = {**GPU_FEATURES, "fused_loop_rows": 8} if features == "on" else {}
+    extra = {**GPU_FEATURES, "fused_loop_rows": 8} if features == "on" else GPU_PATHS_OFF
     engine = EngineCore(EngineConfig(model=family, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
                                      block_size=16, num_blocks=2048, max_model_len=MAX_MODEL_LEN, **extra),
                         model=model)
