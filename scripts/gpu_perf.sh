@@ -10,9 +10,11 @@
 #   fp8:   the table with --kv-cache-dtype fp8_e4m3, where EngineConfig has that field;
 #   profile: where a decode step's time goes at C = 1, 32, 64 (bf16) and C = 32 (FP8), 1K
 #          prompts (benchmarks/profile_gpu.py: GPU busy vs wall, kernel families, host);
-#   sweep: the paged decode kernel's launches and an FMA kernel against the K/V floor, bf16 and
-#          FP8 (benchmarks/experiments/attn_sweep_gpu.py).
-# The default is "read bf16 fp8" (one call); "profile sweep" fits a second.
+#   sweep: the paged decode kernel's launches and the FMA kernel against the K/V floor, bf16 and
+#          FP8 (benchmarks/experiments/attn_sweep_gpu.py);
+#   policy: adaptive exit at C = 32, 64 (1K prompts, bf16) under the default policy (refill) and
+#          under mixed, one after the other: whether mixed's wider batches pay on a GPU.
+# The default is "read bf16 fp8" (one call); "profile sweep policy" fits a second.
 # Logs and JSON go to $OUT if set, else out/. Arguments name a subset of the steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,13 +44,18 @@ step read 140 "$PY" benchmarks/kv_read_gpu.py --config configs/h200-1p1d.yaml --
 step read_nixl 40 "$PY" benchmarks/experiments/nixl_split_gpu.py --blocks 272 --splits 1 --ops READ --reps 5 --notif
 step bf16 260 "${TABLE[@]}" --budget-s 140 --server-c 64 --json "$DIR/throughput_bf16.json"
 if "$PY" -c "from loopserve.engine.config import EngineConfig as E; assert 'kv_cache_dtype' in E.model_fields" 2>/dev/null; then
-  step fp8 130 "${TABLE[@]}" --budget-s 100 --kv-cache-dtype fp8_e4m3 --json "$DIR/throughput_fp8.json"
+  step fp8 120 "${TABLE[@]}" --budget-s 90 --kv-cache-dtype fp8_e4m3 --json "$DIR/throughput_fp8.json"
 elif [[ " $steps " == *" fp8 "* ]]; then
   echo "=== fp8: skipped: EngineConfig has no kv_cache_dtype at $commit" | tee -a "$LOG"
 fi
 [[ " $steps " == *" profile "* ]] && steps="$steps profile_fp8"
 step profile 100 "$PY" benchmarks/profile_gpu.py --cs 1,32,64 --prompt-len 1024 --steps 32
 step profile_fp8 70 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --steps 32 --kv-cache-dtype fp8_e4m3
+POLICY=("$PY" benchmarks/throughput.py --cs 32,64 --prompt-lens 1024 --output-len 128 --modes adaptive --max-seconds 30
+  --budget-s 60)
+[[ " $steps " == *" policy "* ]] && steps="$steps policy_mixed"
+step policy 100 "${POLICY[@]}" --policy refill --json "$DIR/throughput_refill.json"
+step policy_mixed 100 "${POLICY[@]}" --policy mixed --json "$DIR/throughput_mixed.json"
 step sweep 120 env PYTHONPATH=".:$PYTHONPATH" "$PY" benchmarks/experiments/attn_sweep_gpu.py --batches 32 --splits 1
 grep -hE '^\[(idle|backlog)\]| blocks \(|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
-  "$DIR"/read.log "$DIR"/read_nixl.log "$DIR"/bf16.log "$DIR"/fp8.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
+  "$DIR"/read.log "$DIR"/read_nixl.log "$DIR"/bf16.log "$DIR"/fp8.log "$DIR"/policy*.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
