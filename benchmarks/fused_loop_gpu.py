@@ -7,7 +7,7 @@ gpu_h200.py does: a copy replayed from a graph runs as a memcpy node at ~2/3 of 
 ratios, and the largest output difference.
 
 Usage: python benchmarks/fused_loop_gpu.py [--batches 1,8] [--context 256] [--model ouro-1.4b-shape]
-       [--configs 512x16x0,512x16x512] [--phase-times]
+       [--configs 512x16] [--phase-times]
 
 --phase-times: after timing each grid-barrier variant, one more loop with the kernel's
 %globaltimer stamps on, printed per phase kind (kernel.py's _stamp): the phase's wall time
@@ -93,8 +93,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--model", default="ouro-1.4b-shape")
-    ap.add_argument("--configs", default="512x16x0,512x16x512",
-                    help="fused kernel variants: BLOCK_K x num_warps [x prefetch_k]; the first also runs "
+    ap.add_argument("--configs", default="512x16",
+                    help="fused kernel variants, comma-separated BLOCK_K x num_warps; the first also runs "
                          "per-phase launches")
     ap.add_argument("--phase-times", action="store_true")
     args = ap.parse_args()
@@ -117,8 +117,8 @@ def main() -> None:
         results = {}
         variants = [("per-layer kernels", None)]
         for i, c in enumerate(args.configs.split(",")):
-            bk, nw, *pf = (int(v) for v in c.split("x"))
-            kw = dict(block_k=bk, num_warps=nw, prefetch_k=pf[0] if pf else 0)
+            bk, nw = (int(v) for v in c.split("x"))
+            kw = dict(block_k=bk, num_warps=nw)
             if i == 0:
                 variants.append((f"fused {c}, per-phase launches", OuroFusedLoop(model, 64, use_barrier=False, **kw)))
             variants.append((f"fused {c}, grid barrier", OuroFusedLoop(model, 64, **kw)))

@@ -57,21 +57,6 @@ def _stamp(Times, ph, pid, num_progs, j: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
-def _prefetch(W, N, K, pid, num_progs, BN: tl.constexpr, PF_K: tl.constexpr):
-    """Ask L2 for columns [0, PF_K) of the rows of this program's first tile of W[N, K] (a
-    later phase's weights), one request per 128-byte line: a program done with its phase
-    would otherwise wait at the grid barrier with DRAM idle, and the next phase ramps up
-    from cold. A hint only: no data moves into registers, and results never depend on it."""
-    if pid < tl.cdiv(N, BN):
-        LINE: tl.constexpr = 128 // (W.dtype.element_ty.primitive_bitwidth // 8)
-        n = tl.minimum(pid * BN + tl.arange(0, BN), N - 1)
-        k = tl.minimum(tl.arange(0, PF_K // LINE) * LINE, K - 1)
-        ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _rms(x, mask, n, eps):
     """x · rsqrt(mean(x²) + eps) over the masked last axis (fp32)."""
     ss = tl.sum(tl.where(mask, x * x, 0.0), axis=1) / n
@@ -282,13 +267,11 @@ def ouro_loop_kernel(
         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BK: tl.constexpr, PHASES: tl.constexpr, USE_BARRIER: tl.constexpr, TIMING: tl.constexpr,
-        KV_FP8: tl.constexpr, PF_K: tl.constexpr):
+        KV_FP8: tl.constexpr):
     """Phases [phase_lo, phase_hi) of one loop (see the module docstring). Norms is
     [L, 4, H]: input_layernorm, input_layernorm_2, post_attention_layernorm(_2). KVScales:
     [L, 2] fp32 (k_scale, v_scale) of an FP8 cache (KV_FP8). Times:
-    [phases, programs, 3] int64 when TIMING (see _stamp). PF_K > 0 (a GPU with the barrier):
-    after its work each program asks L2 for the first PF_K columns of its first tile of the next
-    GEMV phase (_prefetch): o during attention, gate/up from attention on, down, next qkv."""
+    [phases, programs, 3] int64 when TIMING (see _stamp)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     NQ: tl.constexpr = HQ * HEAD_D
@@ -346,15 +329,6 @@ def ouro_loop_kernel(
                 _gemv(Wdown + lw * H * I, H, I, GU, Delta, num_rows, pid, num_progs,
                       BLOCK_B, BN_DOWN, BK, X_SWIGLU)
                 _stamp(Times, ph, pid, num_progs, 2, TIMING)
-        if PF_K > 0:  # the next GEMV phase's weights this one does not already have in flight
-            if kind == 0:
-                _prefetch(Wo + lw * H * NQ, H, NQ, pid, num_progs, BN_O, PF_K)
-            elif kind == 1:
-                _prefetch(Wgu + lw * (2 * I) * H, 2 * I, H, pid, num_progs, BN_GU, PF_K)
-            elif kind == 3:
-                _prefetch(Wdown + lw * H * I, H, I, pid, num_progs, BN_DOWN, PF_K)
-            elif (kind == 4) & (layer + 1 < L):
-                _prefetch(Wqkv + (lw + 1) * NQKV * H, NQKV, H, pid, num_progs, BN_QKV, PF_K)
         if USE_BARRIER:
             if ph + 1 < phase_hi:
                 _grid_barrier(Count, (ph - phase_lo + 1) * num_progs)

@@ -54,13 +54,11 @@ class _Stacked:
 class OuroFusedLoop:
     """`num_programs`: the persistent grid (default: one program per SM, all resident at
     once; on the interpreter 1). `use_barrier` False launches one phase at a time (the
-    interpreter needs that: its programs run one after another). `prefetch_k`: with the
-    barrier, the columns of its next GEMV tile each program asks L2 for before it waits
-    (kernel.py's _prefetch; 0: none; a power of two >= 64)."""
+    interpreter needs that: its programs run one after another)."""
 
     def __init__(self, model, max_rows: int = 8, num_programs: int | None = None,
                  use_barrier: bool | None = None, block_k: int = 512, num_warps: int = 16,
-                 prefetch_k: int = 0, phase_times: bool = False) -> None:
+                 phase_times: bool = False) -> None:
         cfg = model.config
         if cfg.num_attention_heads % cfg.kv_heads or cfg.hd % 2:
             raise ValueError(f"fused loop needs Hq % Hkv == 0 and an even head_dim, got Hq="
@@ -79,9 +77,6 @@ class OuroFusedLoop:
             raise ValueError("use_barrier needs concurrent programs; the Triton interpreter runs them in turn")
         self.block_k = block_k
         self.num_warps = num_warps
-        if prefetch_k and (prefetch_k < 64 or prefetch_k & (prefetch_k - 1)):
-            raise ValueError(f"prefetch_k={prefetch_k} must be 0 or a power of two >= 64")
-        self.prefetch_k = prefetch_k if self.use_barrier else 0  # a hint for concurrent programs (PTX)
         if phase_times and INTERPRET:
             raise ValueError("phase_times reads the GPU's clock (PTX): not under the Triton interpreter")
         # when set, each launch fills last_phase_times [phases, programs, 3] (ns; kernel.py's _stamp)
@@ -229,7 +224,7 @@ class OuroFusedLoop:
             BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
             BN_QKV=bn["qkv"], BN_O=bn["o"], BN_GU=bn["gate_up"], BN_DOWN=bn["down"], BK=self.block_k,
             PHASES=PHASES_PER_LAYER, USE_BARRIER=self.use_barrier, TIMING=times is not None,
-            KV_FP8=kv.quantized, PF_K=self.prefetch_k, num_warps=self.num_warps, num_stages=_NUM_STAGES)
+            KV_FP8=kv.quantized, num_warps=self.num_warps, num_stages=_NUM_STAGES)
         return args, consts, (out, rem_out, score)
 
     def _resident_grid(self, rows: int, dev: torch.device, compile_for) -> int:
