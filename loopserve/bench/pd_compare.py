@@ -164,8 +164,8 @@ def report(runs: dict[str, tuple[dict, list[RequestResult], dict]], args: argpar
         print(f"KV transfer (NIXL READ): {reads['count']} reads, "
               f"{reads['bytes'] / reads['count'] / 1024:.1f} KiB/read, "
               f"{1e3 * reads['seconds'] / reads['count']:.2f} ms/read (post to seen done), {gbs:.3f} GB/s; "
-              f"before each post, {1e3 * reads['fence_seconds'] / reads['count']:.2f} ms waiting for the "
-              f"device to zero the blocks")
+              f"before each post, {1e3 * reads['fence_seconds'] / reads['count']:.2f} ms until the "
+              f"device had zeroed the blocks (the step thread does not wait)")
     print(f"goodput: requests/s finishing with TPOT <= {args.slo_tpot_ms:g} ms")
     if runs:
         curves = {name: {"TTFT": [r.ttft for r in results if not r.error and r.ttft is not None],

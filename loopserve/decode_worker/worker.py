@@ -1,7 +1,8 @@
 """DecodeWorker: takes over prefilled requests, READs their KV from the prefill worker, decodes.
 
-A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then one KV
-connector READ pulls every plane of the prompt's blocks; when it lands the request is activated and
+A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then for the
+device to have zeroed them (a fence on the compute stream, polled each tick: the engine keeps
+stepping meanwhile), then one KV connector READ pulls every plane of the prompt's blocks; when it lands the request is activated and
 decodes from its first token. While a handoff is queued or being read, the worker renews the
 prefill side's lease every heartbeat (a `renew` notification), so those blocks are never
 freed under a backlogged reader; a handoff it drops unread gets a `release`.
@@ -23,6 +24,8 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from loopserve.engine.model_runner import KVFence
+from loopserve.kv_cache import BlockTable
 from loopserve.kv_transfer.leases import ReceiveTracker
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
@@ -44,13 +47,15 @@ class DecodeWorker(TransferHost):
         self.heartbeat_s = self.transfer.get("heartbeat_s", 1.0)
         self._inbox: deque[HandoffMessage] = deque()  # waiting for blocks
         self._arrived: dict[str, float] = {}  # queued handoff -> when it arrived
+        # placed, its READ waiting for the zeroing of its blocks: (msg, blocks, fence, placed at)
+        self._fencing: dict[str, tuple[HandoffMessage, BlockTable, KVFence, float]] = {}
         # READ in flight: (msg, READ start, bytes, arrival)
         self._reading: dict[str, tuple[HandoffMessage, float, int, float]] = {}
         self._dropped: set[str] = set()  # aborted or timed out while their READ is in flight
         self._next_heartbeat = 0.0
         self._peers: dict[str, str] = {}  # prefill engine id -> its connector agent name
-        # seconds: READs posted to seen done; fence_seconds: add_handoff's wait for the device
-        # to zero the blocks (and run what it had queued before) ahead of each post
+        # seconds: READs posted to seen done; fence_seconds: from blocks given to the device
+        # having zeroed them (and run what it had queued before), when the READ is posted
         self.reads = {"count": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "fence_seconds": 0.0}
         self.handoff_latency = {"le": list(HANDOFF_BUCKETS), "counts": [0] * len(HANDOFF_BUCKETS),
                                 "count": 0, "sum": 0.0}  # counts[i]: latencies <= le[i]
@@ -82,6 +87,7 @@ class DecodeWorker(TransferHost):
     def _poll_transfers(self) -> bool:
         now = time.monotonic()
         placed = self._place_inbox(now)
+        placed += self._post_fenced()
         done, failed = self.connector.poll()
         for rid in done:
             self._read_finished(rid, None)
@@ -95,27 +101,35 @@ class DecodeWorker(TransferHost):
         return bool(placed or done or failed)
 
     def _place_inbox(self, now: float) -> int:
-        """Give queued handoffs blocks and start their READs, in arrival order."""
+        """Give queued handoffs blocks, in arrival order; their READs wait for the fence."""
         placed = 0
         while self._inbox:
             msg = self._inbox[0]
-            t0 = time.monotonic()
             try:
-                table = self.engine.add_handoff(msg)
+                got = self.engine.place_handoff(msg)
             except ValueError as e:  # a duplicate id or an impossible request: fail it alone
                 self._inbox.popleft()
                 self._arrived.pop(msg.request_id, None)
                 self._release(msg)
                 self._publish([RequestOutput.ended(msg.request_id, "error", str(e))])
                 continue
-            if table is None:  # no blocks yet: retried next tick, the lease renewed meanwhile
+            if got is None:  # no blocks yet: retried next tick, the lease renewed meanwhile
                 break
             self._inbox.popleft()
             self.traces.record(msg.request_id, "RECEIVING")
-            posted = time.monotonic()  # add_handoff waited for the device to zero the blocks
-            self.reads["fence_seconds"] += posted - t0
-            placed += self._start_read(msg, table, posted)
+            self._fencing[msg.request_id] = (msg, *got, now)
+            placed += 1
         return placed
+
+    def _post_fenced(self) -> int:
+        """Post the READs whose blocks the device has zeroed."""
+        ready = [rid for rid, (_, _, fence, _) in self._fencing.items() if fence.done()]
+        for rid in ready:
+            msg, table, _, placed = self._fencing.pop(rid)
+            posted = time.monotonic()
+            self.reads["fence_seconds"] += posted - placed
+            self._start_read(msg, table, posted)
+        return len(ready)
 
     def _start_read(self, msg: HandoffMessage, table, now: float) -> bool:
         """Post the READ; `now` is the post time (the READ's clock starts there)."""
@@ -182,11 +196,11 @@ class DecodeWorker(TransferHost):
         self.connector.notify(msg.prefill_engine_id, "release", [msg.request_id])
 
     def _heartbeat(self, now: float) -> None:
-        if now < self._next_heartbeat or not (self._inbox or self._reading):
+        if now < self._next_heartbeat or not self._transfers_pending():
             return
         self._next_heartbeat = now + self.heartbeat_s
         renew: dict[str, list[str]] = {}
-        waiting = [*self._inbox, *(entry[0] for entry in self._reading.values())]
+        waiting = [*self._inbox, *(entry[0] for entry in (*self._fencing.values(), *self._reading.values()))]
         for msg in waiting:
             if msg.request_id not in self._dropped:
                 renew.setdefault(msg.prefill_engine_id, []).append(msg.request_id)
@@ -194,12 +208,15 @@ class DecodeWorker(TransferHost):
             self.connector.notify(peer, "renew", ids)
 
     def _transfers_pending(self) -> bool:
-        return bool(self._inbox or self._reading)
+        return bool(self._inbox or self._fencing or self._reading)
 
     def _unplaced(self) -> tuple[int, int]:
         return len(self._inbox), sum(m.looped_blocks() for m in self._inbox)
 
     def _abort_locked(self, request_id: str) -> bool:
+        if request_id in self._fencing:  # no READ posted: its blocks free with the request
+            self._release(self._fencing.pop(request_id)[0])
+            return super()._abort_locked(request_id)
         if request_id in self._reading:
             if request_id not in self._dropped:
                 self._dropped.add(request_id)
@@ -218,4 +235,4 @@ class DecodeWorker(TransferHost):
     def _stats(self) -> WorkerStats:
         return replace(super()._stats(), decode=DecodeStats.from_dict(
             {"kv_reads": self.reads, "handoff_latency": self.handoff_latency,
-             "inbox": len(self._inbox), "reading": len(self._reading)}))
+             "inbox": len(self._inbox), "reading": len(self._fencing) + len(self._reading)}))

@@ -19,7 +19,7 @@ from loopserve.engine.acceptance import CodaAcceptance
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.gpu_paths import GpuPaths
 from loopserve.engine.intake import Intake
-from loopserve.engine.model_runner import ModelRunner
+from loopserve.engine.model_runner import KVFence, ModelRunner
 from loopserve.engine.readback import UnreadBatch, UnreadSamples
 from loopserve.engine.request import Request
 from loopserve.intmath import cdiv
@@ -253,9 +253,10 @@ class EngineCore:
         self.scheduler.transfer_done(request_id)
         self._retire(request_id)
 
-    def add_handoff(self, h: HandoffMessage) -> BlockTable | None:
-        """Decode role: take over a prefilled request; returns the blocks to read KV into,
-        once the device has zeroed them (a READ may be posted into them at once).
+    def place_handoff(self, h: HandoffMessage) -> tuple[BlockTable, KVFence] | None:
+        """Decode role: take over a prefilled request; returns the blocks to read KV into and
+        the fence a READ into them must wait for, without waiting (the worker's step thread
+        keeps stepping and posts the READ once `fence.done()`).
 
         None when blocks are short right now (the caller retries or routes elsewhere).
         """
@@ -266,11 +267,19 @@ class EngineCore:
         self.requests[h.request_id] = req
         # Zero fresh blocks now, before the KV read lands in them; the READ does not queue
         # behind the compute stream, so the zeroing (and any earlier kernel still writing these
-        # blocks for their previous owner) must have run before the caller posts it: wait for
-        # the compute stream up to the zeroing, not for the whole device (READs in flight).
+        # blocks for their previous owner) must have run before it is posted: the fence marks
+        # the compute stream up to the zeroing, not the whole device (READs in flight).
         self.runner.apply_kv_moves((), self.kv_manager.pop_new_blocks(), ())
-        self.runner.fence().wait()
-        return self.kv_manager.block_table(h.request_id)
+        return self.kv_manager.block_table(h.request_id), self.runner.fence()
+
+    def add_handoff(self, h: HandoffMessage) -> BlockTable | None:
+        """`place_handoff`, then wait for its fence: a READ may be posted into the blocks at once."""
+        placed = self.place_handoff(h)
+        if placed is None:
+            return None
+        table, fence = placed
+        fence.wait()
+        return table
 
     def cached_blocks(self, request_id: str) -> int:
         """Decode role: leading blocks of a RECEIVING request that this engine's prefix cache

@@ -26,10 +26,14 @@ from loopserve.scheduler import Operation, ScheduledBatch
 
 @dataclass(frozen=True)
 class KVFence:
-    """A point in the compute stream; `wait()` returns once the device has run everything
-    queued before it (None: nothing was queued, as on CPU)."""
+    """A point in the compute stream: `done()` says, without waiting, whether the device has
+    run everything queued before it; `wait()` blocks until it has (None: nothing was queued,
+    as on CPU)."""
 
     event: torch.cuda.Event | None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
     def wait(self) -> None:
         if self.event is not None:

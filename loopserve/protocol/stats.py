@@ -89,7 +89,7 @@ class KVReadStats:
     failed: int = 0  # failed or timed out
     bytes: int = 0
     seconds: float = 0.0  # READs posted to seen done
-    fence_seconds: float = 0.0  # waits for the device to zero the blocks before each post
+    fence_seconds: float = 0.0  # blocks given to the device having zeroed them, before each post
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class DecodeStats:
     kv_reads: KVReadStats
     handoff_latency: HandoffLatency  # a handoff's arrival at the worker to its READ done
     inbox: int  # handoffs waiting for blocks
-    reading: int  # READs in flight
+    reading: int  # placed handoffs: READs waiting for the zeroing of their blocks or in flight
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DecodeStats:
