@@ -134,7 +134,8 @@ class Rope(nn.Module):
     def __init__(self, head_dim: int, theta: float, interleaved: bool) -> None:
         super().__init__()
         self.interleaved = interleaved
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        # device named: models are built on the meta device (registry._instantiate) and keep buffers
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> Rotation:

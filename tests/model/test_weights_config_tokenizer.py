@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from loopserve.model.config import MODEL_CONFIGS, load_model_config, parse_config
 from loopserve.model.paged_kv import PagedKVCache
-from loopserve.model.registry import load_model, resolve_model, save_model
+from loopserve.model.registry import MODEL_CLASSES, build_model, init_weights, load_model, resolve_model, save_model
 from loopserve.model.tokenizer import ByteTokenizer
 
 
@@ -29,6 +29,32 @@ def test_safetensors_round_trip_with_public_keys(tmp_path, name):
     back = load_model(tmp_path)
     for (k, a), (_, b) in zip(m.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def _dory_config(tie: bool):
+    from tests.model.test_dory import hf_config
+    return parse_config(hf_config(2, "last_loop", tie=tie).to_dict() | {"architectures": ["DoryForCausalLM"]})
+
+
+@pytest.mark.parametrize("cfg", [load_model_config("tiny-huginn"), load_model_config("tiny-ouro"),
+                                 *(pytest.param(tie, id=f"dory-tie-{tie}") for tie in (False, True))])
+def test_build_skips_torch_default_init_and_gives_the_same_model(cfg):
+    """build_model allocates parameters without torch's default init (built on the meta device):
+    every parameter and buffer equals a model constructed as usual and then seeded, and tied
+    weights stay one tensor; a parameter the seeded init missed would differ here."""
+    cfg = cfg if not isinstance(cfg, bool) else _dory_config(cfg)
+    usual = MODEL_CLASSES[type(cfg)](cfg)
+    init_weights(usual, seed=5)
+    built = build_model(cfg, seed=5)
+    assert not any(t.is_meta for t in [*built.parameters(), *built.buffers()])
+    want = dict(usual.named_parameters(remove_duplicate=False)) | dict(usual.named_buffers())
+    got = dict(built.named_parameters(remove_duplicate=False)) | dict(built.named_buffers())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    shared = lambda m: sorted(n for n, _ in m.named_parameters(remove_duplicate=False)  # noqa: E731
+                              if n not in dict(m.named_parameters()))
+    assert shared(built) == shared(usual)
 
 
 def test_sharded_checkpoint_loads(tmp_path):
