@@ -23,14 +23,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from loopserve.engine.model_runner import KVFence
-from loopserve.kv_cache import BlockTable
 from loopserve.kv_transfer.leases import ReceiveTracker
 from loopserve.protocol.handoff import HandoffMessage
 from loopserve.protocol.outputs import RequestOutput
 from loopserve.protocol.stats import DecodeStats, WorkerStats
 from loopserve.worker_host.transfer_host import TransferHost
+
+if TYPE_CHECKING:
+    from loopserve.engine.model_runner import KVFence
+    from loopserve.kv_cache import BlockTable
 
 log = logging.getLogger(__name__)
 # Upper bounds (seconds) of the handoff-latency histogram; stats() carries them, so the front
