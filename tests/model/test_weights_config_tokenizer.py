@@ -138,6 +138,26 @@ def test_zero_blocks_zeroes_exactly_the_given_blocks_as_runs_or_one_index_fill(i
     assert all(e1 < a2 for (_, e1), (a2, _) in zip(runs, runs[1:]))  # maximal: no touching runs
 
 
+@pytest.mark.parametrize("chunk_slots", [1, 3, 1000])
+def test_copy_slots_looped_in_chunks_copies_every_slot(chunk_slots, monkeypatch):
+    """The last-exited fill copies in chunks of bounded bytes (a 4K prompt's fill once took
+    4.37 GiB at once and ran a GPU out of memory): every chunking gives the one-shot result."""
+    from loopserve.model import paged_kv
+
+    m = resolve_model("tiny-ouro")
+    kv = PagedKVCache(m.kv_spec, 4, 24, 0, torch.float32, torch.device("cpu"))
+    kv.looped.copy_(torch.randn_like(kv.looped))
+    slot_bytes = kv.looped[0, :, :, 0].numel() * kv.looped.element_size()
+    monkeypatch.setattr(paged_kv, "_COPY_CHUNK_BYTES", chunk_slots * slot_bytes)
+    src = torch.tensor([s for s in range(0, 32) for _ in range(2)])  # blocks 0-7: one plane
+    dst = torch.tensor([d for s in range(0, 32) for d in (s + 32, s + 64)])  # two deeper ones
+    want = kv.looped.clone()
+    for s, d in zip(src.tolist(), dst.tolist()):
+        want[d // 4, :, :, d % 4] = want[s // 4, :, :, s % 4]
+    kv.copy_slots_looped(src, dst)
+    assert torch.equal(kv.looped, want)
+
+
 def test_byte_tokenizer_round_trip_and_incremental_utf8():
     tok = ByteTokenizer()
     text = "héllo wörld — ✓ 你好"
