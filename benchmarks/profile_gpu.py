@@ -2,7 +2,7 @@
 GEMMs vs the rest on the GPU, and the host's share of the wall time.
 
 C requests of P-token prompts (benchmarks/throughput.py's engine: the KV pool sized from free
-memory, GPU features on, fixed depth) are added at once and stepped until every one decodes;
+memory, GPU features on, --mode fixed: the max loops, or adaptive: exit_threshold 0.6) are added at once and stepped until every one decodes;
 then, after --steps steps of warm-up (the decode shapes' graph captures), --steps steps are
 timed bare (wall per step, tokens per step), and the same number again
 under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
@@ -10,7 +10,7 @@ split by kernel family, the top kernels, and each Operation's batches and rows. 
 window runs under cProfile for the host's top functions.
 
 GPU: python benchmarks/profile_gpu.py [--cs 32,64] [--prompt-len 1024] [--steps 60]
-     [--kv-cache-dtype auto|fp8_e4m3]
+     [--kv-cache-dtype auto|fp8_e4m3] [--mode fixed|adaptive]
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def window(engine, steps: int) -> tuple[float, int, Counter, float]:
     return wall, tokens, batches, rows
 
 
-def profile_c(table, prompts: list[list[int]], c: int, steps: int) -> None:
+def profile_c(table, prompts: list[list[int]], c: int, steps: int, mode: str) -> None:
     engine = table.engine
-    sp = throughput.params("fixed", table.args, table.max_loops, table.args.output_len)
+    sp = throughput.params(mode, table.args, table.max_loops, table.args.output_len)
     ids = steady(engine, prompts[:c], sp, f"c{c}-")
     window(engine, steps)  # the decode shapes' first graph captures and kernel compiles
     wall, tokens, batches, rows = window(engine, steps)
-    print(f"\n## C={c}, P={table.args.prompt_len}: {wall / steps * 1e3:.3f} ms/step wall, {tokens / steps:.2f} "
+    print(f"\n## C={c}, P={table.args.prompt_len}, {mode}: {wall / steps * 1e3:.3f} ms/step wall, {tokens / steps:.2f} "
           f"tokens/step, {tokens / wall:.1f} tok/s; batches {dict(batches)}, {rows:.1f} rows per RECURRENT",
           flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--mode", choices=("fixed", "adaptive"), default="fixed")
     p.add_argument("--model", default="ouro-1.4b-shape")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu: a smoke run of the script (busy is then CPU op time)")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r.prompt for r in random_requests(max(cs), a.prompt_len, 1, seed=1)]
     print(f"pool {table.num_blocks} blocks; holds {table.holds(a.prompt_len)} requests; KV {a.kv_cache_dtype}")
     for c in cs:
-        profile_c(table, prompts, c, a.steps)
+        profile_c(table, prompts, c, a.steps, a.mode)
     return 0
 
 
