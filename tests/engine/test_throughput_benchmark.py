@@ -74,3 +74,25 @@ def test_served_arm_on_cpu(tmp_path):
     assert served["c"] == 2 and served["output_tokens"] == 2 * 2 * OUT
     assert served["ratio"] == pytest.approx(served["tok_s"] / served["engine_tok_s"])
     assert "loopserve serving" in (tmp_path / "throughput_serve.log").read_text()
+
+
+def test_the_greedy_check_lists_an_exit_flip_apart_from_a_difference():
+    """A first difference beyond the tie is an exit flip only where the two runs exited that
+    token at different depths; at equal depths it is a difference."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import compare
+
+    from loopserve.bench.workload import RequestResult
+
+    top = [{5: -0.1, 6: -3.0}, {7: -0.1}]
+    ref = {"a": RequestResult("a", [5, 7], exit_depths=[2, 3], top_logprobs=top),
+           "b": RequestResult("b", [5, 7], exit_depths=[2, 3], top_logprobs=top),
+           "c": RequestResult("c", [5, 7], exit_depths=[2, 3], top_logprobs=top)}
+    other = [{6: -0.1, 5: -3.0}, {7: -0.1}]
+    got = {"a": RequestResult("a", [6, 7], exit_depths=[4, 3], top_logprobs=other),  # flipped depth
+           "b": RequestResult("b", [6, 7], exit_depths=[2, 3], top_logprobs=other),  # same depth
+           "c": RequestResult("c", [5, 7], exit_depths=[2, 3], top_logprobs=top)}
+    chk = compare(ref, got, tie_nats=0.25)
+    assert chk["equal"] == 1 and not chk["near_ties"]
+    assert chk["exit_flips"] == [{"request": "a", "token": 0, "gap_nats": 2.9, "depths": [2, 4]}]
+    assert [b["request"] for b in chk["beyond"]] == ["b"]
