@@ -36,9 +36,8 @@ logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp
 fp32), as benchmarks/pd_vs_colocated.py rules. With adaptive exit a first difference where the
 two runs exited the token at different depths is an "exit flip", listed apart: bf16 numerics
 that depend on the batch's shape move the exit gate's score, a decision near the threshold
-goes the other way, and the token comes from another depth's state (on an H100 at 905a56a, 1 of
-4 requests at C = 64, first token). Exit status 1 if a stream differs beyond the tie at equal
-depths, or (fp32) at an exit flip.
+goes the other way, and the token comes from another depth's state. Exit status 1 if a stream
+differs beyond the tie at equal depths, or (fp32) at an exit flip.
 
 GPU:  python benchmarks/throughput.py [--cs 1,8,32,64,128,256] [--prompt-lens 1024,4096]
       [--output-len 128] [--modes fixed,adaptive] [--kv-cache-dtype auto|fp8_e4m3]
