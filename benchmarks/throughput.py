@@ -37,7 +37,9 @@ fp32), as benchmarks/pd_vs_colocated.py rules. With adaptive exit a first differ
 two runs exited the token at different depths is an "exit flip", listed apart: bf16 numerics
 that depend on the batch's shape move the exit gate's score, a decision near the threshold
 goes the other way, and the token comes from another depth's state. Exit status 1 if a stream
-differs beyond the tie at equal depths, or (fp32) at an exit flip.
+differs beyond the tie at equal depths, or (fp32) at an exit flip, or if an engine failed: a
+cell whose engine fails (out of memory, a kernel fault) prints FAILED with the error and the
+table goes on with a fresh engine.
 
 GPU:  python benchmarks/throughput.py [--cs 1,8,32,64,128,256] [--prompt-lens 1024,4096]
       [--output-len 128] [--modes fixed,adaptive] [--kv-cache-dtype auto|fp8_e4m3]
@@ -101,6 +103,7 @@ class Cell:
     full_of_lockstep: float = 0.0  # tok/step ÷ lockstep over the steps with all C in flight
     mean_depth: float = 0.0
     of_lockstep: float = 0.0
+    error: str | None = None  # the engine failed in this cell (the table goes on with a fresh one)
 
 
 class Table:
@@ -153,9 +156,19 @@ class Table:
         return Cell(prompt_len, mode, c, holds, c <= holds, skipped=skipped)
 
     def start(self, max_c: int) -> EngineCore:
+        self.max_c = max(1, max_c)
         self.engine = EngineCore(EngineConfig(**self.kwargs, num_blocks=self.num_blocks,
-                                              max_num_seqs=max(1, max_c)), model=self.model)
+                                              max_num_seqs=self.max_c), model=self.model)
         return self.engine
+
+    def restart(self) -> EngineCore:
+        """A fresh engine after one failed (its pool and graphs freed first)."""
+        self.engine.shutdown()
+        self.engine = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.start(self.max_c)
 
     def floor_s(self, rates: dict, prompt_len: int, c: int, outputs: list[int], depth: float) -> float:
         """The cell's time at the measured rates (see the module doc)."""
@@ -287,6 +300,8 @@ HEADER = (f"{'P':>5} {'mode':>8} {'C':>4} {'tok/s':>9} {'floor s':>8} {'of floor
 
 
 def fmt(c: Cell) -> str:
+    if c.error is not None:
+        return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  FAILED: {c.error}"
     if not c.fits:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  does not fit: the pool holds {c.pool_holds} requests"
     if c.skipped:
@@ -424,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GPU features on' if table.device.type == 'cuda' else 'CPU defaults'}; adaptive: exit_threshold "
           f"{args.exit_threshold}; {args.output_len} output tokens; closed loop of 2*C, C in flight", flush=True)
     fit = [c for c in args.cs if any(c <= table.holds(p) for p in args.prompt_lens)]
-    engine = table.start(max(fit, default=1))
+    table.start(max(fit, default=1))
     prompts = {p: [r.prompt for r in random_requests(2 * max(args.cs), p, 1, seed=args.seed + p)]
                for p in args.prompt_lens}
     cells, checks, failed = [], {}, False
@@ -435,17 +450,28 @@ def main(argv: list[str] | None = None) -> int:
                 cells += [table.cell(p, mode, c, skipped=True) for c in args.cs]
                 print("\n".join(fmt(c) for c in cells[-len(args.cs):]), flush=True)
                 continue
-            ref, _ = closed_loop(engine, prompts[p][:args.check],
-                                 [params(mode, args, table.max_loops, args.output_len, True)] * args.check, 1, math.inf)
+            try:
+                ref, _ = closed_loop(table.engine, prompts[p][:args.check],
+                                     [params(mode, args, table.max_loops, args.output_len, True)] * args.check, 1,
+                                     math.inf)
+            except Exception as e:  # noqa: BLE001 - the engine failed: say so, go on with a fresh one
+                ref, failed = {}, True
+                print(f"{p:>5} {mode:>8}    1  FAILED (the C = 1 reference): {type(e).__name__}: {e}", flush=True)
+                table.restart()
             widest = None
             for c in args.cs:
                 if time.perf_counter() - t_start > args.budget_s:
                     cell, results = table.cell(p, mode, c, skipped=True), {}
                 else:
-                    cell, results = run_cell(table, rates, prompts[p], p, mode, c, args.check)
+                    try:
+                        cell, results = run_cell(table, rates, prompts[p], p, mode, c, args.check)
+                    except Exception as e:  # noqa: BLE001 - as above: the cell fails, the table goes on
+                        cell, results, failed = table.cell(p, mode, c), {}, True
+                        cell.error = f"{type(e).__name__}: {e}"
+                        table.restart()
                 cells.append(cell)
                 print(fmt(cell), flush=True)
-                if all(rid in results and results[rid].finish_reason == "length" for rid in ref):
+                if ref and all(rid in results and results[rid].finish_reason == "length" for rid in ref):
                     widest = (c, results)
             if widest is not None:
                 chk = compare(ref, {rid: widest[1][rid] for rid in ref}, args.tie_nats)

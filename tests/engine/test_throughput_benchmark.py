@@ -96,3 +96,35 @@ def test_the_greedy_check_lists_an_exit_flip_apart_from_a_difference():
     assert chk["equal"] == 1 and not chk["near_ties"]
     assert chk["exit_flips"] == [{"request": "a", "token": 0, "gap_nats": 2.9, "depths": [2, 4]}]
     assert [b["request"] for b in chk["beyond"]] == ["b"]
+
+
+def test_a_cell_whose_engine_fails_is_reported_and_the_table_goes_on(tmp_path, monkeypatch, capsys):
+    """An engine that fails in one cell (as a GPU out of memory did) fails that cell loudly;
+    the next prompt length runs on a fresh engine, the JSON is written, the exit status is 1."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import throughput
+
+    from loopserve.engine.model_runner import ModelRunner
+
+    real = ModelRunner.recurrent
+
+    def recurrent(self, batch, reqs, *a, **k):
+        if any(len(r.prompt_token_ids) == 24 for r in reqs.values()):
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, batch, reqs, *a, **k)
+
+    monkeypatch.setattr(ModelRunner, "recurrent", recurrent)
+    out = tmp_path / "t.json"
+    rc = throughput.main(["--device", "cpu", "--model", "tiny-ouro", "--dtype", "float32", "--prompt-lens",
+                          "16,24,32", "--output-len", "4", "--cs", "1,2", "--modes", "fixed", "--json", str(out)])
+    assert rc == 1
+    text = capsys.readouterr().out
+    ref_line = next(line for line in text.splitlines() if "FAILED (the C = 1 reference)" in line)
+    assert ref_line.split()[:2] == ["24", "fixed"] and "CUDA out of memory (injected)" in ref_line
+    cells = {(c["prompt_len"], c["c"]): c for c in json.loads(out.read_text())["cells"]}
+    assert cells[(24, 2)]["error"] == "RuntimeError: 2 requests failed, first: engine failed: RuntimeError: " \
+                                      "CUDA out of memory (injected)"
+    for p in (16, 32):
+        assert all(cells[(p, c)]["error"] is None and cells[(p, c)]["tok_s"] > 0 for c in (1, 2))
+    checks = json.loads(out.read_text())["checks"]
+    assert set(checks) == {"16/fixed", "32/fixed"} and not any(ch["beyond"] for ch in checks.values())
