@@ -29,7 +29,8 @@ Columns:
   s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
               --budget-s of the whole run no further cell starts, and each prints as skipped).
 Before each cell an untimed warm-up (C requests, 2 tokens) compiles kernels and captures
-graphs at that batch size. Correctness in the same run: the first --check requests run alone
+graphs at that batch size; the note says how many graphs the timed part still captured (with
+adaptive exit, batch sizes the warm-up did not meet). Correctness in the same run: the first --check requests run alone
 (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
 to the end must give the same greedy tokens, but at near-ties up to --tie-nats (each run's
 logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
@@ -104,6 +105,7 @@ class Cell:
     mean_depth: float = 0.0
     of_lockstep: float = 0.0
     error: str | None = None  # the engine failed in this cell (the table goes on with a fresh one)
+    captures: int = 0  # CUDA graphs recorded in the timed part (shapes the warm-up did not meet)
 
 
 class Table:
@@ -119,6 +121,7 @@ class Table:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            policy=args.policy, split_prefill=args.split_prefill or args.policy == "mixed",
                            enable_prefix_caching=False,  # cells reuse prompts: each must prefill them
+                           async_scheduling=args.async_scheduling,
                            **(GPU_FEATURES if self.device.type == "cuda" else {}),
                            **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
         probe = EngineCore(EngineConfig(**self.kwargs, num_blocks=4, max_num_seqs=1), model=self.model)
@@ -252,10 +255,13 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     n = 2 * c
     sp = [params(mode, args, table.max_loops, args.output_len, logprobs=i < check) for i in range(n)]
     batches0 = sum(engine.counters.batches.values())
+    graphs = engine.runner.graphs
+    captures0 = graphs.captures if graphs is not None else 0
     full = FullWidth()
     t0 = time.perf_counter()
     results, cell.cut = closed_loop(engine, prompts[:n], sp, c, t0 + args.max_seconds, full)
     cell.wall_s = time.perf_counter() - t0
+    cell.captures = graphs.captures - captures0 if graphs is not None else 0
     done = [r for r in results.values() if r.finish_reason == "length"]
     outputs = [len(r.token_ids) for r in results.values()]
     depths = [d for r in results.values() for d in r.exit_depths]
@@ -306,7 +312,8 @@ def fmt(c: Cell) -> str:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  does not fit: the pool holds {c.pool_holds} requests"
     if c.skipped:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  skipped: the table is past --budget-s"
-    note = f"cut at --max-seconds after {c.requests}/{2 * c.c} requests" if c.cut else ""
+    note = f"cut at --max-seconds after {c.requests}/{2 * c.c} requests; " if c.cut else ""
+    note += f"{c.captures} graph captures; " if c.captures else ""
     return (f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4} {c.tok_s:>9.1f} {c.floor_s:>8.3f} {c.of_floor:>8.2f} "
             f"{c.tok_per_step:>8.2f} {c.of_lockstep:>8.2f} {c.full_of_lockstep:>5.2f} {c.mean_depth:>5.2f} "
             f"{c.pool_holds:>5} "
@@ -398,6 +405,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", choices=sorted(POLICIES), default="refill",
                    help="the scheduler policy (mixed turns split prefill on)")
     p.add_argument("--split-prefill", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="EngineConfig.async_scheduling: the next batch is scheduled while one runs")
     p.add_argument("--server-c", type=int, default=0,
                    help="also serve the first prompt length's fixed-depth cell at this C through `loopserve serve`")
     p.add_argument("--threads", type=int, default=1,

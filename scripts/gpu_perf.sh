@@ -13,8 +13,10 @@
 #   sweep: the paged decode kernel's launches and the FMA kernel against the K/V floor, bf16 and
 #          FP8 (benchmarks/experiments/attn_sweep_gpu.py);
 #   policy: adaptive exit at C = 32, 64 (1K prompts, bf16) under the default policy (refill) and
-#          under mixed, one after the other: whether mixed's wider batches pay on a GPU.
-# The default is "read bf16 fp8" (one call); "profile sweep policy" fits a second.
+#          under mixed, one after the other: whether mixed's wider batches pay on a GPU;
+#   adaptive: why adaptive exit ran at 0.4-0.5x fixed depth (905a56a): a profile of its steps at
+#          C = 32 (GPU busy vs wall, host functions), then C = 32, 64 with async scheduling.
+# The default is "read bf16 fp8" (one call); "adaptive policy profile" fits a second.
 # Logs and JSON go to $OUT if set, else out/. Arguments name a subset of the steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +58,10 @@ POLICY=("$PY" benchmarks/throughput.py --cs 32,64 --prompt-lens 1024 --output-le
 [[ " $steps " == *" policy "* ]] && steps="$steps policy_mixed"
 step policy 100 "${POLICY[@]}" --policy refill --json "$DIR/throughput_refill.json"
 step policy_mixed 100 "${POLICY[@]}" --policy mixed --json "$DIR/throughput_mixed.json"
+[[ " $steps " == *" adaptive "* ]] && steps="$steps adaptive_async"
+step adaptive 100 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --steps 24 --mode adaptive
+step adaptive_async 100 "${POLICY[@]}" --async-scheduling --json "$DIR/throughput_async.json"
 step sweep 120 env PYTHONPATH=".:$PYTHONPATH" "$PY" benchmarks/experiments/attn_sweep_gpu.py --batches 32 --splits 1
 grep -hE '^\[(idle|backlog)\]| blocks \(|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
-  "$DIR"/read.log "$DIR"/read_nixl.log "$DIR"/bf16.log "$DIR"/fp8.log "$DIR"/policy*.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
+  "$DIR"/read.log "$DIR"/read_nixl.log "$DIR"/bf16.log "$DIR"/fp8.log "$DIR"/policy*.log \
+  "$DIR"/adaptive*.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"

@@ -54,6 +54,7 @@ class DecodeGraphs:
         self._slab_version: int | None = None  # the state slab the graphs were captured on
         self._pool = None  # the graphs' memory pool, one per slab version (run)
         self.runs = 0  # batches served through the padded path (replays when capturing)
+        self.captures = 0  # graphs recorded (a capture mid-serving costs a step's time twice over)
 
     def applies(self, hb: HostBatch) -> bool:
         """Decode-shaped: one row per segment, every row's logits (CODA), within the sizes."""
@@ -87,6 +88,7 @@ class DecodeGraphs:
             # the warm-up runs for real: its state goes to SINK, so the replay below starts
             # from the same state (its K/V writes are the replay's)
             sunk = dataclasses.replace(padded, state_out=[SINK] * p)
+            self.captures += 1
             self._graphs[key] = self._record(forward, _decode_view(sunk.to(self.device, out=buf, max_context_len=ctx), hb.operation))
         padded.copy_to(buf)
         graph, out = self._graphs[key]
