@@ -28,9 +28,11 @@ Columns:
               not fit and is printed so (not run);
   s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
               --budget-s of the whole run no further cell starts, and each prints as skipped).
-Before each cell an untimed warm-up (C requests, 2 tokens) compiles kernels and captures
-graphs at that batch size; the note says how many graphs the timed part still captured (with
-adaptive exit, batch sizes the warm-up did not meet). Correctness in the same run: the first --check requests run alone
+Before each cell an untimed warm-up compiles kernels and captures graphs at every batch size
+the cell can meet: k requests of 2 tokens at fixed depth for each graph size k below C, and
+C (adaptive exit meets them all as rows leave at different depths; at 905a56a the warm-up
+ran C requests only, and each smaller size was captured inside the timed part). The note says
+how many graphs the timed part still captured. Correctness in the same run: the first --check requests run alone
 (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
 to the end must give the same greedy tokens, but at near-ties up to --tie-nats (each run's
 logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
@@ -73,6 +75,7 @@ from loopserve.bench.dataset import BenchRequest, random_requests
 from loopserve.bench.rates import measure_rates, prefill_flops, weight_bytes_per_token
 from loopserve.bench.workload import RequestResult, greedy_divergence
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
+from loopserve.engine.cuda_graphs import SIZES as GRAPH_SIZES
 from loopserve.engine.engine_core import EngineCore
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
@@ -249,8 +252,8 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     if not cell.fits:
         return cell, {}
     t0 = time.perf_counter()
-    warm = [params(mode, args, table.max_loops, 2)] * c
-    closed_loop(engine, prompts[:c], warm, c, math.inf)
+    for k in [s for s in GRAPH_SIZES if s < c] + [c]:  # every batch size the cell can meet
+        closed_loop(engine, prompts[:k], [params("fixed", args, table.max_loops, 2)] * k, k, math.inf)
     cell.warmup_s = time.perf_counter() - t0
     n = 2 * c
     sp = [params(mode, args, table.max_loops, args.output_len, logprobs=i < check) for i in range(n)]

@@ -122,8 +122,8 @@ def test_a_cell_whose_engine_fails_is_reported_and_the_table_goes_on(tmp_path, m
     ref_line = next(line for line in text.splitlines() if "FAILED (the C = 1 reference)" in line)
     assert ref_line.split()[:2] == ["24", "fixed"] and "CUDA out of memory (injected)" in ref_line
     cells = {(c["prompt_len"], c["c"]): c for c in json.loads(out.read_text())["cells"]}
-    assert cells[(24, 2)]["error"] == "RuntimeError: 2 requests failed, first: engine failed: RuntimeError: " \
-                                      "CUDA out of memory (injected)"
+    for c in (1, 2):
+        assert cells[(24, c)]["error"].endswith("engine failed: RuntimeError: CUDA out of memory (injected)")
     for p in (16, 32):
         assert all(cells[(p, c)]["error"] is None and cells[(p, c)]["tok_s"] > 0 for c in (1, 2))
     checks = json.loads(out.read_text())["checks"]
