@@ -2,8 +2,8 @@
 
 A handoff waits in the inbox until the engine has blocks for it (RECEIVING), then for the
 device to have zeroed them (a fence on the compute stream, polled each tick: the engine keeps
-stepping meanwhile), then one KV connector READ pulls every plane of the prompt's blocks; when it lands the request is activated and
-decodes from its first token. While a handoff is queued or being read, the worker renews the
+stepping meanwhile), then one KV connector READ pulls every plane of the prompt's blocks; when
+it lands the request is activated and decodes from its first token. While a handoff is queued or being read, the worker renews the
 prefill side's lease every heartbeat (a `renew` notification), so those blocks are never
 freed under a backlogged reader; a handoff it drops unread gets a `release`.
 
