@@ -3,7 +3,7 @@ GEMMs vs the rest on the GPU, and the host's share of the wall time.
 
 C requests of P-token prompts (benchmarks/throughput.py's engine: the KV pool sized from free
 memory, GPU features on, --mode fixed: the max loops, or adaptive: exit_threshold 0.6) are added at once and stepped until every one decodes;
-then, after --steps steps of warm-up (the decode shapes' graph captures), --steps steps are
+then, after throughput.py's warm-up (every graph size up to C) and --steps steps more, --steps steps are
 timed bare (wall per step, tokens per step), and the same number again
 under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
 split by kernel family, the top kernels, and each Operation's batches and rows. A second
@@ -87,6 +87,7 @@ def window(engine, steps: int) -> tuple[float, int, Counter, float]:
 def profile_c(table, prompts: list[list[int]], c: int, steps: int, mode: str) -> None:
     engine = table.engine
     sp = throughput.params(mode, table.args, table.max_loops, table.args.output_len)
+    throughput.warm_up(table, prompts, c)
     ids = steady(engine, prompts[:c], sp, f"c{c}-")
     window(engine, steps)  # the decode shapes' first graph captures and kernel compiles
     wall, tokens, batches, rows = window(engine, steps)

@@ -245,6 +245,14 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
     return results, cut
 
 
+def warm_up(table: Table, prompts: list[list[int]], c: int) -> None:
+    """Compile kernels and capture graphs at every batch size up to C (adaptive exit meets
+    them all as rows leave at different depths): k requests of 2 tokens at fixed depth for
+    each graph size k below C, and C."""
+    for k in [s for s in GRAPH_SIZES if s < c] + [c]:
+        closed_loop(table.engine, prompts[:k], [params("fixed", table.args, table.max_loops, 2)] * k, k, math.inf)
+
+
 def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: int, mode: str, c: int,
              check: int) -> tuple[Cell, dict[str, RequestResult]]:
     args, engine = table.args, table.engine
@@ -252,8 +260,7 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     if not cell.fits:
         return cell, {}
     t0 = time.perf_counter()
-    for k in [s for s in GRAPH_SIZES if s < c] + [c]:  # every batch size the cell can meet
-        closed_loop(engine, prompts[:k], [params("fixed", args, table.max_loops, 2)] * k, k, math.inf)
+    warm_up(table, prompts, c)
     cell.warmup_s = time.perf_counter() - t0
     n = 2 * c
     sp = [params(mode, args, table.max_loops, args.output_len, logprobs=i < check) for i in range(n)]
