@@ -2,10 +2,10 @@
 GEMMs vs the rest on the GPU, and the host's share of the wall time.
 
 C requests of P-token prompts (benchmarks/throughput.py's engine: the KV pool sized from free
-memory, GPU features on, --mode fixed: the max loops, or adaptive: exit_threshold 0.6) are added at once and stepped until every one decodes;
-then, after throughput.py's warm-up (every graph size up to C) and --steps steps more, --steps steps are
-timed bare (wall per step, tokens per step), and the same number again
-under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
+memory, GPU features on; --mode fixed: the max loops, or adaptive: exit_threshold 0.6) are
+added at once and stepped until every one decodes; then, after throughput.py's warm-up (every
+graph size up to C) and --steps steps more, --steps steps are timed bare (wall per step,
+tokens per step), and the same number again under torch.profiler: GPU-busy time per step (kernels and copies, graph replays included), its
 split by kernel family, the top kernels, and each Operation's batches and rows. A second
 window runs under cProfile for the host's top functions.
 
