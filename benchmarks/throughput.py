@@ -75,7 +75,6 @@ from loopserve.bench.dataset import BenchRequest, random_requests
 from loopserve.bench.rates import measure_rates, prefill_flops, weight_bytes_per_token
 from loopserve.bench.workload import RequestResult, greedy_divergence
 from loopserve.engine.config import GPU_FEATURES, EngineConfig
-from loopserve.engine.cuda_graphs import SIZES as GRAPH_SIZES
 from loopserve.engine.engine_core import EngineCore
 from loopserve.intmath import cdiv
 from loopserve.model.registry import resolve_model
@@ -248,8 +247,9 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
 def warm_up(table: Table, prompts: list[list[int]], c: int) -> None:
     """Compile kernels and capture graphs at every batch size up to C (adaptive exit meets
     them all as rows leave at different depths): k requests of 2 tokens at fixed depth for
-    each graph size k below C, and C."""
-    for k in [s for s in GRAPH_SIZES if s < c] + [c]:
+    each of the engine's graph sizes k below C (none without graphs), and C."""
+    graphs = table.engine.runner.graphs
+    for k in [s for s in (graphs.sizes if graphs is not None else ()) if s < c] + [c]:
         closed_loop(table.engine, prompts[:k], [params("fixed", table.args, table.max_loops, 2)] * k, k, math.inf)
 
 

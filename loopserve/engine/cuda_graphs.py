@@ -54,7 +54,8 @@ class DecodeGraphs:
         self._slab_version: int | None = None  # the state slab the graphs were captured on
         self._pool = None  # the graphs' memory pool, one per slab version (run)
         self.runs = 0  # batches served through the padded path (replays when capturing)
-        self.captures = 0  # graphs recorded (a capture mid-serving costs a step's time twice over)
+        self.captures = 0  # graphs recorded (a first use also runs the batch to warm up and
+        # compiles the kernel specialisations its shapes need: mid-serving, a stall)
 
     def applies(self, hb: HostBatch) -> bool:
         """Decode-shaped: one row per segment, every row's logits (CODA), within the sizes."""
