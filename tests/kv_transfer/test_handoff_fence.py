@@ -23,6 +23,9 @@ from loopserve.prefill_worker.worker import PrefillWorker
 from loopserve.protocol.sampling_params import SamplingParams
 
 ENGINE = {"model": "tiny-huginn", "block_size": 4, "num_blocks": 256, "max_model_len": 256}
+# 1-2K-token prompts, more handoffs than the decode side's max_num_seqs, tables of 100+ blocks
+LONG_ENGINE = {"model": "tiny-huginn", "block_size": 16, "num_blocks": 2048, "max_model_len": 2048,
+               "max_num_seqs": 2}
 LONG = SamplingParams(max_tokens=120, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -50,9 +53,9 @@ def until(cond, what: str, timeout: float = 60.0) -> None:
 class Pair:
     """One prefill and one decode worker, handshaken; collects every output by request."""
 
-    def __init__(self) -> None:
-        self.p = PrefillWorker("p-fence", ENGINE)
-        self.d = DecodeWorker("d-fence", ENGINE)
+    def __init__(self, engine: dict = ENGINE) -> None:
+        self.p = PrefillWorker("p-fence", engine)
+        self.d = DecodeWorker("d-fence", engine)
         self.d.add_peer(self.p.handshake_info())
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str | None] = {}
@@ -87,8 +90,8 @@ def pair():
     pr.close()
 
 
-def colocated(prompt: list[int], params: SamplingParams) -> list[int]:
-    engine = EngineCore(EngineConfig(**ENGINE))
+def colocated(prompt: list[int], params: SamplingParams, config: dict = ENGINE) -> list[int]:
+    engine = EngineCore(EngineConfig(**config))
     engine.add_request(prompt, params, request_id="ref")
     out = []
     while engine.has_unfinished():
@@ -139,3 +142,30 @@ def test_abort_while_the_fence_is_held_frees_the_blocks(pair):
     # the prefill side got the release and frees its copy
     until(lambda: pair.p.check_no_leaks()["unfinished"] is False
           and pair.p.check_no_leaks()["looped"]["used"] == 0, "the prefill side's blocks freed")
+
+
+def test_long_handoffs_past_max_num_seqs_wait_their_fence_and_their_slot():
+    """Four handoffs of 1-2K-token prompts to a decode side of max_num_seqs 2, the fence held:
+    all four get blocks (RECEIVING holds no admission slot) and none is read; once the fence
+    passes, they are read and activated two at a time, decode to the colocated tokens, and
+    nothing leaks."""
+    pair = Pair(LONG_ENGINE)
+    try:
+        prompts = {f"l{i}": [(7 * i + j) % 250 + 3 for j in range(1000 + 300 * i)] for i in range(4)}
+        gate = threading.Event()
+        pair.d.engine.runner.fence = lambda: HeldFence(gate)
+        for rid, prompt in prompts.items():
+            pair.hand_off(rid, prompt, SHORT)
+        until(lambda: all(placed(pair.d, rid) for rid in prompts), "all placed")
+        time.sleep(0.05)
+        assert pair.d.stats()["decode"]["kv_reads"]["count"] == 0
+        assert pair.d.stats()["decode"]["reading"] == 4
+        gate.set()
+        until(lambda: pair.poll() or prompts.keys() <= pair.finished.keys(), "all finished", timeout=120)
+        assert set(pair.finished.values()) == {"length"}
+        for rid, prompt in prompts.items():
+            assert pair.tokens[rid] == colocated(prompt, SHORT, LONG_ENGINE), rid
+        assert pair.d.stats()["decode"]["kv_reads"]["count"] == 4
+        assert pair.d.check_no_leaks()["unfinished"] is False
+    finally:
+        pair.close()

@@ -168,3 +168,37 @@ def test_byte_tokenizer_round_trip_and_incremental_utf8():
     assert "".join(pieces) == text
     assert "" in pieces  # a multi-byte character was held back until complete
     assert detok.add(tok.eos_token_id) == ""
+
+
+def test_a_3k_prompt_exiting_early_decodes_the_same_with_its_fill_in_chunks(monkeypatch):
+    """The shape that ran an H100 out of memory: a 3000-token prompt exiting at loop 2 of 4
+    fills two deeper planes for every position at once; in 64-slot chunks the engine gives the
+    same tokens and exit depths."""
+    from loopserve.engine.config import EngineConfig
+    from loopserve.engine.engine_core import EngineCore
+    from loopserve.model import paged_kv
+    from loopserve.protocol.sampling_params import SamplingParams
+
+    prompt = [(j * 37) % 250 + 3 for j in range(3000)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6)
+
+    def run() -> tuple[list[int], list[int]]:
+        e = EngineCore(EngineConfig(model="tiny-ouro", max_model_len=4096, num_blocks=1200))
+        e.add_request(prompt, params, request_id="r")
+        tokens, depths = [], []
+        while e.has_unfinished():
+            for o in e.step():
+                tokens += o.new_token_ids
+                depths += o.exit_depths
+        return tokens, depths
+
+    whole = run()
+    slot_bytes = PagedKVCache(resolve_model("tiny-ouro").kv_spec, 16, 1, 0, torch.float32,
+                              torch.device("cpu")).looped[0, :, :, 0].numel() * 4
+    calls = []
+    real = PagedKVCache.copy_slots_looped
+    monkeypatch.setattr(PagedKVCache, "copy_slots_looped", lambda self, s, d: calls.append(len(s)) or real(self, s, d))
+    monkeypatch.setattr(paged_kv, "_COPY_CHUNK_BYTES", 64 * slot_bytes)
+    assert run() == whole
+    assert max(calls) > 64 * 10  # the prompt's fill took many chunks
+    assert min(whole[1]) < 4  # tokens exited early: deeper planes were filled
