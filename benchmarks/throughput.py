@@ -29,11 +29,10 @@ Columns:
   s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
               --budget-s of the whole run no further cell starts, and each prints as skipped).
 Before each cell an untimed warm-up compiles kernels and captures graphs at every batch size
-the cell can meet: k requests of 2 tokens at fixed depth for each graph size k below C, and
-C (adaptive exit meets them all as rows leave at different depths; at 905a56a the warm-up
-ran C requests only, and each smaller size was captured inside the timed part). The note says
-how many graphs the timed part still captured. Correctness in the same run: the first --check requests run alone
-(C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
+the cell can meet (adaptive exit meets them all as rows leave at different depths): k
+requests of 2 tokens at fixed depth for each graph size k below C, and C. The note says how
+many graphs the timed part still captured. Correctness in the same run: the first --check
+requests run alone (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
 to the end must give the same greedy tokens, but at near-ties up to --tie-nats (each run's
 logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
 fp32), as benchmarks/pd_vs_colocated.py rules. With adaptive exit a first difference where the
@@ -166,13 +165,17 @@ class Table:
                                               max_num_seqs=self.max_c), model=self.model)
         return self.engine
 
-    def restart(self) -> EngineCore:
-        """A fresh engine after one failed (its pool and graphs freed first)."""
+    def stop(self) -> None:
+        """Shut the engine down and give its pool and graphs' memory back."""
         self.engine.shutdown()
         self.engine = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def restart(self) -> EngineCore:
+        """A fresh engine after one failed."""
+        self.stop()
         return self.start(self.max_c)
 
     def floor_s(self, rates: dict, prompt_len: int, c: int, outputs: list[int], depth: float) -> float:
@@ -523,7 +526,7 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
     p, c, mode = args.prompt_lens[0], args.server_c, "fixed"
     base = next((x for x in cells if (x.prompt_len, x.mode, x.c) == (p, mode, c) and x.tok_s and not x.cut), None)
     if base is None:
-        table.engine.shutdown()
+        table.stop()  # its pool's memory first: the new engine's pool is as large
         table.start(c)
         base, _ = run_cell(table, rates, prompts[p], p, mode, c, 0)
         print(fmt(base), flush=True)
@@ -531,12 +534,8 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
         print(f"served arm: C={c} does not fit at P={p}")
         return {"c": c, "fits": False}
     config = serve_config(table, c)
-    table.engine.shutdown()
-    table.engine = None
-    table.model = None
-    gc.collect()
-    if table.device.type == "cuda":
-        torch.cuda.empty_cache()
+    table.model = None  # the engine holds the last reference: stop() frees the weights too
+    table.stop()
     if table.device.type == "cuda":
         print(f"GPU memory free for the server: {torch.cuda.mem_get_info(table.device)[0] / 2**30:.1f} GiB "
               f"(its KV pool: {table.num_blocks} blocks, as here)", flush=True)
