@@ -247,12 +247,17 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
     return results, cut
 
 
-def warm_up(table: Table, prompts: list[list[int]], c: int) -> None:
-    """Compile kernels and capture graphs at every batch size up to C (adaptive exit meets
-    them all as rows leave at different depths): k requests of 2 tokens at fixed depth for
-    each of the engine's graph sizes k below C (none without graphs), and C."""
+def warm_sizes(table: Table, c: int) -> list[int]:
+    """The engine's graph sizes below C (none without graphs), and C: adaptive exit meets
+    them all as rows leave at different depths, and so does a closed loop's drain."""
     graphs = table.engine.runner.graphs
-    for k in [s for s in (graphs.sizes if graphs is not None else ()) if s < c] + [c]:
+    return [s for s in (graphs.sizes if graphs is not None else ()) if s < c] + [c]
+
+
+def warm_up(table: Table, prompts: list[list[int]], c: int) -> None:
+    """Compile kernels and capture graphs at every batch size up to C: k requests of 2 tokens
+    at fixed depth for each of `warm_sizes`."""
+    for k in warm_sizes(table, c):
         closed_loop(table.engine, prompts[:k], [params("fixed", table.args, table.max_loops, 2)] * k, k, math.inf)
 
 
@@ -375,17 +380,19 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def served_tok_s(url: str, model: str, prompts: list[list[int]], extra: dict, c: int, output_len: int) -> dict:
+def served_tok_s(url: str, model: str, prompts: list[list[int]], extra: dict, c: int, output_len: int,
+                 warm_sizes: list[int]) -> dict:
     """`loopserve bench serve`'s client (streamed /v1/completions), 2*C requests, C in flight,
-    after a warm-up of C requests of 2 tokens."""
+    after the engine-only cell's warm-up: k requests of 2 tokens for each k in `warm_sizes`."""
     from loopserve.bench.backends import OpenAIBackend
     from loopserve.bench.report import summarize
     from loopserve.bench.serve import run
 
-    async def go(reqs: list[BenchRequest]):
-        return await run(OpenAIBackend(url, model, None, extra), reqs, [0.0] * len(reqs), c, False)
+    async def go(reqs: list[BenchRequest], in_flight: int = c):
+        return await run(OpenAIBackend(url, model, None, extra), reqs, [0.0] * len(reqs), in_flight, False)
 
-    asyncio.run(go([BenchRequest(p, 2) for p in prompts[:c]]))
+    for k in warm_sizes:
+        asyncio.run(go([BenchRequest(p, 2) for p in prompts[:k]], k))
     traces, duration = asyncio.run(go([BenchRequest(p, output_len) for p in prompts[:2 * c]]))
     s = summarize(traces, duration, {})
     if s["failed"]:
@@ -534,6 +541,7 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
         print(f"served arm: C={c} does not fit at P={p}")
         return {"c": c, "fits": False}
     config = serve_config(table, c)
+    sizes = warm_sizes(table, c)
     table.model = None  # the engine holds the last reference: stop() frees the weights too
     table.stop()
     if table.device.type == "cuda":
@@ -544,7 +552,7 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
     proc, url, log = start_server(config, workdir)
     try:
         loops = {"min_loops": table.max_loops, "max_loops": table.max_loops}
-        s = served_tok_s(url, args.model, prompts[p], loops, c, args.output_len)
+        s = served_tok_s(url, args.model, prompts[p], loops, c, args.output_len, sizes)
     finally:
         stop_server(proc)
     ratio = s["tok_s"] / base.tok_s
