@@ -71,6 +71,7 @@ class Scheduler:
         self._gate = self.policy.cohort_gate()
         self._served: dict[Plan, int] = {}
         self._counts = {s: 0 for s in S}
+        self._status_changes: dict[str, None] | None = None  # see record_status_changes
         self._seq = itertools.count()
         self._next_batch_id = 1
         self._tick = 0
@@ -196,6 +197,7 @@ class Scheduler:
         st = RequestState(req, next(self._seq), self.policy.rank(req), status)
         self._reqs[req.request_id] = st
         self._counts[status] += 1
+        self._note_status(st)
         return st
 
     @staticmethod
@@ -230,6 +232,11 @@ class Scheduler:
         self._counts[st.status] -= 1
         self._counts[status] += 1
         st.status = status
+        self._note_status(st)
+
+    def _note_status(self, st: RequestState) -> None:
+        if self._status_changes is not None:
+            self._status_changes[st.request_id] = None
 
     def _push(self, sts: list[RequestState]) -> None:
         """Queue each request's pending work, ready now."""
@@ -535,6 +542,23 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._reqs)
+
+    def record_status_changes(self) -> None:
+        """Note from now on which requests got a status (new, or changed), for a caller that
+        follows statuses (`take_status_changes`) without reading every request each step."""
+        self._status_changes = {}
+
+    def take_status_changes(self) -> list[str]:
+        """Ids whose status was set since the last take, in order of their first change."""
+        if self._status_changes is None:
+            raise RuntimeError("record_status_changes() first")
+        out, self._status_changes = list(self._status_changes), {}
+        return out
+
+    def load(self) -> tuple[int, int]:
+        """(WAITING, ACTIVE) request counts: what a worker reports each step, without the
+        rest of stats()."""
+        return self._counts[S.WAITING], self._counts[S.ACTIVE]
 
     def stats(self) -> SchedulerStats:
         c = self._counts

@@ -51,6 +51,7 @@ class EngineHost:
         self._cache_events: list[CacheEvents] = []
         self._cache_changes = 0
         self.engine.kv_manager.prefix.record_events()
+        self.engine.scheduler.record_status_changes()
         self._wake = threading.Event()
         self._accepted = 0
         self.traces = StatusTraces()
@@ -135,11 +136,13 @@ class EngineHost:
                 self._cache_changes = len(snapshot.changes)
 
     def _observe(self, outputs: list[RequestOutput] = ()) -> None:
-        """Record the scheduler status of every live request, and FINISHED as outputs say so."""
+        """Record the scheduler status of each live request whose status was set since the
+        last call, and FINISHED as outputs say so. The traces are those a read of every live
+        request would give, without that read each step (the others record nothing new)."""
         sched = self.engine.scheduler
-        for rid in self.engine.requests:
+        for rid in sched.take_status_changes():
             req = sched.get_request(rid)
-            if req is not None:
+            if req is not None and rid in self.engine.requests:
                 self.traces.record(rid, req.status.value)
         for out in outputs:
             if out.finished:
@@ -194,14 +197,17 @@ class EngineHost:
         return self._load
 
     def _refresh_load(self) -> None:
-        """Snapshot the load (the engine lock is held, or the step loop is not running yet)."""
-        s = self.engine.scheduler.stats()
-        pool = self.engine.kv_manager.usage().looped
+        """Snapshot the load (the engine lock is held, or the step loop is not running yet).
+
+        Runs every step: it reads the counts it reports, not the scheduler's stats() or the
+        KV manager's usage(), which walk every request and block table."""
+        waiting, running = self.engine.scheduler.load()
+        pool = self.engine.kv_manager.looped
         extra_queue, extra_blocks = self._unplaced()
         self._load = WorkerLoad(
             worker_id=self.worker_id, role=self.role,
-            queue_depth=s.num_waiting + extra_queue, running=s.num_running,
-            free_blocks=pool.free - extra_blocks, total_blocks=pool.total,
+            queue_depth=waiting + extra_queue, running=running,
+            free_blocks=pool.num_free - extra_blocks, total_blocks=pool.num_blocks,
             accepted=self._accepted, healthy=self.engine.error is None, error=self.engine.error,
         )
 

@@ -271,3 +271,19 @@ def test_admission_lets_at_most_8_bypass_a_blocked_request_and_scans_64():
     add(e, "small", prompt_len=1, max_tokens=1, max_loops=1)
     e.sched.schedule()
     assert e.sched.get_request("small").status is RequestStatus.WAITING  # 65th: not scanned
+
+
+def test_status_changes_name_each_request_whose_status_was_set_since_the_last_take():
+    e = engine_for(max_lag=0)
+    with pytest.raises(RuntimeError):
+        e.sched.take_status_changes()
+    e.sched.record_status_changes()
+    add(e, 0)
+    add(e, 1)
+    assert e.sched.take_status_changes() == ["r0", "r1"]  # new: WAITING
+    assert e.sched.take_status_changes() == []
+    e.sched.schedule()
+    active = [rid for rid in ("r0", "r1") if e.sched.get_request(rid).status is S.ACTIVE]
+    assert active and e.sched.take_status_changes() == active
+    assert e.sched.abort("r0")
+    assert e.sched.take_status_changes() == ["r0"]  # FINISHED
