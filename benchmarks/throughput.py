@@ -551,8 +551,10 @@ def serve_arm(args: argparse.Namespace, table: Table, rates: dict, prompts: dict
     workdir.mkdir(parents=True, exist_ok=True)
     proc, url, log = start_server(config, workdir)
     try:
-        loops = {"min_loops": table.max_loops, "max_loops": table.max_loops}
-        s = served_tok_s(url, args.model, prompts[p], loops, c, args.output_len, sizes)
+        # Greedy, as the engine-only cell (SamplingParams' default): the OpenAI API's default
+        # temperature is 1, whose per-row draws the engine-only cell never pays.
+        same = {"temperature": 0.0, "min_loops": table.max_loops, "max_loops": table.max_loops}
+        s = served_tok_s(url, args.model, prompts[p], same, c, args.output_len, sizes)
     finally:
         stop_server(proc)
     ratio = s["tok_s"] / base.tok_s
