@@ -248,10 +248,12 @@ def closed_loop(engine: EngineCore, prompts: list[list[int]], sp: list[SamplingP
 
 
 def warm_sizes(table: Table, c: int) -> list[int]:
-    """The engine's graph sizes below C (none without graphs), and C: adaptive exit meets
-    them all as rows leave at different depths, and so does a closed loop's drain."""
+    """C, then the engine's graph sizes below it, largest first (none without graphs):
+    adaptive exit meets them all as rows leave at different depths, and so does a closed
+    loop's drain. Largest first: C prompts in flight grow the state slab to the cell's peak
+    (every prompt row's loop state), and a growth drops every graph captured before it."""
     graphs = table.engine.runner.graphs
-    return [s for s in (graphs.sizes if graphs is not None else ()) if s < c] + [c]
+    return [c] + sorted((s for s in (graphs.sizes if graphs is not None else ()) if s < c), reverse=True)
 
 
 def warm_up(table: Table, prompts: list[list[int]], c: int) -> None:

@@ -128,3 +128,58 @@ def test_a_cell_whose_engine_fails_is_reported_and_the_table_goes_on(tmp_path, m
         assert all(cells[(p, c)]["error"] is None and cells[(p, c)]["tok_s"] > 0 for c in (1, 2))
     checks = json.loads(out.read_text())["checks"]
     assert set(checks) == {"16/fixed", "32/fixed"} and not any(ch["beyond"] for ch in checks.values())
+
+
+def test_after_the_warm_up_an_adaptive_cell_meets_no_graph_it_has_not_captured(monkeypatch):
+    """A graph is captured per (Operation, padded size, context bucket) and the state slab's
+    version: a growth of the slab drops every graph. The warm-up must leave the slab at the
+    cell's peak (C prompts' rows) and every size below C captured after that, so the timed cell
+    captures nothing for its decode rows (padded graph path on CPU, `capture=False`; 256-token
+    prompts grow the slab from its 256 rows several times). Not covered: a prompt whose rows
+    but one exited loops that row alone, a decode-shaped batch at the position's context
+    bucket (data-dependent; the cell counts those captures)."""
+    import argparse
+    import math
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import throughput
+
+    from loopserve.engine import cuda_graphs
+    from loopserve.engine.config import EngineConfig
+    from loopserve.engine.engine_core import EngineCore
+
+    c, prompt_len, out_len = 8, 256, 12
+    keys: set = set()
+    new_in_cell: list = []
+    timed = False
+    real = cuda_graphs.DecodeGraphs.run
+
+    def run_recording(self, hb, forward, slab_version):
+        key = (slab_version, hb.operation, cuda_graphs._bucket(hb.num_rows, self.sizes),
+               max(cuda_graphs.MIN_CONTEXT_BUCKET, 1 << max(max(hb.context_lens) - 1, 0).bit_length()))
+        if key not in keys:
+            keys.add(key)
+            if timed and min(hb.positions) >= prompt_len:  # decode rows (see below)
+                new_in_cell.append(key)
+        return real(self, hb, forward, slab_version)
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", run_recording)
+    engine = EngineCore(EngineConfig(model="tiny-ouro", device="cpu", dtype="float32", num_blocks=600,
+                                     block_size=16, max_model_len=512, seed=0,
+                                     scheduler={"max_num_seqs": c, "max_num_batched_tokens": 1024}))
+    engine.runner.use_graphs(c, 512 // 16, capture=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 250) for _ in range(prompt_len)] for _ in range(2 * c)]
+    args = argparse.Namespace(exit_threshold=0.6)
+    table = argparse.Namespace(engine=engine, args=args, max_loops=engine.max_loops)
+    assert throughput.warm_sizes(table, c) == [8, 4, 2, 1]
+    version0 = engine.runner.states.version
+    throughput.warm_up(table, prompts, c)
+    assert engine.runner.states.version > version0  # the warm-up grew the slab
+    timed = True
+    results, _ = throughput.closed_loop(engine, prompts, [throughput.params("adaptive", args, engine.max_loops, out_len)]
+                                        * (2 * c), c, math.inf)
+    depths = {d for r in results.values() for d in r.exit_depths}
+    assert len(depths) > 1  # rows left at different depths: the cell met sizes below C
+    assert new_in_cell == []
