@@ -9,8 +9,14 @@ tokens per step), and the same number again under torch.profiler: GPU-busy time 
 split by kernel family, the top kernels, and each Operation's batches and rows. A second
 window runs under cProfile for the host's top functions.
 
+--closed-loop instead times throughput.py's whole cell (2×C requests, C in flight, prompts
+arriving as requests end, --output-len tokens each) one engine step at a time, the device
+synchronised after each, and splits the wall by the step's batch: replayed from a CUDA graph
+(decode-shaped) or eager (prompt rows), per Operation. The syncs stop the host running ahead,
+so steps take longer than in the table; the split says where the cell's time goes.
+
 GPU: python benchmarks/profile_gpu.py [--cs 32,64] [--prompt-len 1024] [--steps 60]
-     [--kv-cache-dtype auto|fp8_e4m3] [--mode fixed|adaptive]
+     [--kv-cache-dtype auto|fp8_e4m3] [--mode fixed|adaptive] [--closed-loop [--output-len 128]]
 """
 
 from __future__ import annotations
@@ -127,6 +133,45 @@ def profile_c(table, prompts: list[list[int]], c: int, steps: int, mode: str) ->
         engine.step()
 
 
+def closed_loop_split(table, prompts: list[list[int]], c: int, mode: str, output_len: int) -> None:
+    """The table's cell at C, each step timed with the device synchronised, its wall split by
+    the kind of batch the step ran (see the module doc)."""
+    engine = table.engine
+    graphs = engine.runner.graphs
+    throughput.warm_up(table, prompts, c)
+    split: dict[tuple[str, str], list[float]] = {}
+    step = engine.step
+
+    def timed_step():
+        runs0, batches0 = (graphs.runs if graphs is not None else 0), Counter(engine.counters.batches)
+        sync(engine)
+        t0 = time.perf_counter()
+        out = step()
+        sync(engine)
+        ran = Counter(engine.counters.batches)
+        ran.subtract(batches0)
+        op = next((o for o, n in ran.items() if n > 0), "none")
+        kind = "graph" if graphs is not None and graphs.runs > runs0 else ("eager" if op != "none" else "idle")
+        split.setdefault((kind, op), []).append(time.perf_counter() - t0)
+        return out
+
+    engine.step = timed_step
+    try:
+        sp = [throughput.params(mode, table.args, table.max_loops, output_len)] * (2 * c)
+        t0 = time.perf_counter()
+        results, _ = throughput.closed_loop(engine, prompts[:2 * c], sp, c, float("inf"))
+        wall = time.perf_counter() - t0
+    finally:
+        del engine.step  # the class's step again
+    tokens = sum(len(r.token_ids) for r in results.values())
+    print(f"\n## closed loop C={c}, P={table.args.prompt_len}, {mode}: {2 * c} requests, {tokens} tokens in "
+          f"{wall:.2f} s ({tokens / wall:.1f} tok/s, steps synchronised)")
+    print(f"{'batch':<20} {'steps':>6} {'ms/step':>8} {'s':>7} {'share':>6}")
+    for (kind, op), ts in sorted(split.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind + ' ' + op:<20} {len(ts):>6} {sum(ts) / len(ts) * 1e3:>8.2f} {sum(ts):>7.2f} "
+              f"{sum(ts) / wall:>6.0%}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cs", default="32,64")
@@ -134,24 +179,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--mode", choices=("fixed", "adaptive"), default="fixed")
+    p.add_argument("--closed-loop", action="store_true", help="time the table's cell step by step instead")
+    p.add_argument("--output-len", type=int, default=128, help="--closed-loop's tokens per request")
     p.add_argument("--model", default="ouro-1.4b-shape")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu: a smoke run of the script (busy is then CPU op time)")
     a = p.parse_args(argv)
     cs = [int(x) for x in a.cs.split(",") if x]
     # throughput's own arguments for its Table; output long enough that no request ends in a window
+    out_len = a.output_len if a.closed_loop else 4 * a.steps + 64
     args = throughput.parse_args(["--model", a.model, "--device", a.device, "--cs", a.cs, "--prompt-lens", str(a.prompt_len),
-                                  "--output-len", str(4 * a.steps + 64), "--kv-cache-dtype", a.kv_cache_dtype])
+                                  "--output-len", str(out_len), "--kv-cache-dtype", a.kv_cache_dtype])
     args.prompt_len = a.prompt_len
     print("command: python", " ".join(sys.argv))
     print("machine:", machine(), flush=True)
     table = throughput.Table(args)
     cs = [c for c in cs if c <= table.holds(a.prompt_len)] or [1]
     table.start(max(cs))
-    prompts = [r.prompt for r in random_requests(max(cs), a.prompt_len, 1, seed=1)]
+    prompts = [r.prompt for r in random_requests(2 * max(cs), a.prompt_len, 1, seed=1)]
     print(f"pool {table.num_blocks} blocks; holds {table.holds(a.prompt_len)} requests; KV {a.kv_cache_dtype}")
     for c in cs:
-        profile_c(table, prompts, c, a.steps, a.mode)
+        if a.closed_loop:
+            closed_loop_split(table, prompts, c, a.mode, a.output_len)
+        else:
+            profile_c(table, prompts, c, a.steps, a.mode)
     return 0
 
 

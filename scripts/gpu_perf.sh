@@ -16,10 +16,13 @@
 #   policy: adaptive exit at C = 32, 64 (1K prompts, bf16) under the default policy (refill) and
 #          under mixed, one after the other: whether mixed's wider batches pay on a GPU;
 #   adaptive: why adaptive exit ran at 0.4-0.5x fixed depth (905a56a): a profile of its steps at
-#          C = 32 (GPU busy vs wall, host functions), then C = 32, 64 with async scheduling.
+#          C = 32 (GPU busy vs wall, host functions), then C = 32, 64 with async scheduling;
+#   split: the C = 32 cell (1K prompts) step by step, its wall split by graph vs eager batches
+#          per Operation (profile_gpu.py --closed-loop), adaptive exit then fixed depth.
 # The default is "read bf16 fp8" (one call); "adaptive policy profile" fits a second. A step
 # with two parts (read, policy, adaptive) runs both; a part may be named alone (read_product,
-# read_nixl, policy_refill, policy_mixed, adaptive_profile, adaptive_async).
+# read_nixl, policy_refill, policy_mixed, adaptive_profile, adaptive_async, split_adaptive,
+# split_fixed).
 # Logs and JSON go to $OUT if set, else out/. Arguments name a subset of the steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +34,7 @@ mkdir -p "$DIR"
 source scripts/gpu_env.sh
 steps=" ${*:-read bf16 fp8} "
 for pair in "read:read_product read_nixl" "policy:policy_refill policy_mixed" "adaptive:adaptive_profile adaptive_async" \
-  "profile:profile_fp8"; do
+  "profile:profile_fp8" "split:split_adaptive split_fixed"; do
   [[ $steps == *" ${pair%%:*} "* ]] && steps="$steps ${pair#*:} "
 done
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -66,7 +69,10 @@ step policy_refill 100 "${POLICY[@]}" --policy refill --json "$DIR/throughput_re
 step policy_mixed 100 "${POLICY[@]}" --policy mixed --json "$DIR/throughput_mixed.json"
 step adaptive_profile 100 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --steps 24 --mode adaptive
 step adaptive_async 100 "${POLICY[@]}" --async-scheduling --json "$DIR/throughput_async.json"
+for m in adaptive fixed; do
+  step split_$m 90 "$PY" benchmarks/profile_gpu.py --cs 32 --prompt-len 1024 --mode $m --closed-loop
+done
 step sweep 120 env PYTHONPATH=".:$PYTHONPATH" "$PY" benchmarks/experiments/attn_sweep_gpu.py --batches 32 --splits 1
-grep -hE '^\[(idle|backlog)\]| blocks \(|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
+grep -hE '^\[(idle|backlog)\]|^## closed loop|^(graph|eager) | blocks \(|^torch copy_|^ +[0-9]+ +(fixed|adaptive)|^greedy tokens|^served|^rates' \
   "$DIR"/read_*.log "$DIR"/bf16.log "$DIR"/served.log "$DIR"/fp8.log "$DIR"/policy*.log \
-  "$DIR"/adaptive*.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"
+  "$DIR"/adaptive*.log "$DIR"/split_*.log 2>/dev/null | tee "$DIR/gpu_perf_summary.txt"

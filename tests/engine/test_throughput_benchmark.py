@@ -183,3 +183,18 @@ def test_after_the_warm_up_an_adaptive_cell_meets_no_graph_it_has_not_captured(m
     depths = {d for r in results.values() for d in r.exit_depths}
     assert len(depths) > 1  # rows left at different depths: the cell met sizes below C
     assert new_in_cell == []
+
+
+def test_profile_gpu_closed_loop_splits_the_cell_by_batch_kind(capsys):
+    """`profile_gpu.py --closed-loop` (the CPU smoke): every step of the cell is counted under
+    its batch's kind and Operation (eager on CPU, no graphs), and every token is made."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_gpu
+
+    assert profile_gpu.main(["--device", "cpu", "--model", "tiny-ouro", "--cs", "2", "--prompt-len", "16",
+                             "--mode", "adaptive", "--closed-loop", "--output-len", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "closed loop C=2, P=16, adaptive: 4 requests, 16 tokens" in text
+    rows = {line.split()[1]: int(line.split()[2]) for line in text.splitlines() if line.startswith("eager ")}
+    assert set(rows) == {"PRELUDE", "RECURRENT", "CODA"}
+    assert rows["CODA"] >= 4 * 4 / 2  # 16 tokens, at most 2 requests per CODA batch
