@@ -30,8 +30,9 @@ Columns:
               --budget-s of the whole run no further cell starts, and each prints as skipped).
 Before each cell an untimed warm-up compiles kernels and captures graphs at every batch size
 the cell can meet (adaptive exit meets them all as rows leave at different depths): k
-requests of 2 tokens at fixed depth for each graph size k below C, and C. The note says how
-many graphs the timed part still captured. Correctness in the same run: the first --check
+requests of 2 tokens at fixed depth for C, then each graph size k below C (largest first: see
+`warm_sizes`). The note says how many graphs the timed part still captured and how many of
+its batches ran eagerly (prompt rows: not decode-shaped, so no graph). Correctness in the same run: the first --check
 requests run alone (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
 to the end must give the same greedy tokens, but at near-ties up to --tie-nats (each run's
 logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
@@ -107,6 +108,7 @@ class Cell:
     of_lockstep: float = 0.0
     error: str | None = None  # the engine failed in this cell (the table goes on with a fresh one)
     captures: int = 0  # CUDA graphs recorded in the timed part (shapes the warm-up did not meet)
+    eager: int = 0  # batches of the timed part not replayed from a graph (prompt rows: run eagerly)
 
 
 class Table:
@@ -277,6 +279,7 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     batches0 = sum(engine.counters.batches.values())
     graphs = engine.runner.graphs
     captures0 = graphs.captures if graphs is not None else 0
+    runs0 = graphs.runs if graphs is not None else 0
     full = FullWidth()
     t0 = time.perf_counter()
     results, cell.cut = closed_loop(engine, prompts[:n], sp, c, t0 + args.max_seconds, full)
@@ -288,6 +291,7 @@ def run_cell(table: Table, rates: dict, prompts: list[list[int]], prompt_len: in
     cell.requests, cell.output_tokens = len(done), sum(outputs)
     cell.mean_depth = sum(depths) / len(depths) if depths else 0.0
     cell.steps = sum(engine.counters.batches.values()) - batches0
+    cell.eager = cell.steps - (graphs.runs - runs0) if graphs is not None else 0
     cell.tok_s = cell.output_tokens / cell.wall_s
     cell.floor_s = table.floor_s(rates, prompt_len, c, outputs, cell.mean_depth)
     cell.of_floor = cell.floor_s / cell.wall_s
@@ -334,6 +338,7 @@ def fmt(c: Cell) -> str:
         return f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4}  skipped: the table is past --budget-s"
     note = f"cut at --max-seconds after {c.requests}/{2 * c.c} requests; " if c.cut else ""
     note += f"{c.captures} graph captures; " if c.captures else ""
+    note += f"{c.eager} of {c.steps} batches eager; " if c.eager else ""
     return (f"{c.prompt_len:>5} {c.mode:>8} {c.c:>4} {c.tok_s:>9.1f} {c.floor_s:>8.3f} {c.of_floor:>8.2f} "
             f"{c.tok_per_step:>8.2f} {c.of_lockstep:>8.2f} {c.full_of_lockstep:>5.2f} {c.mean_depth:>5.2f} "
             f"{c.pool_holds:>5} "
