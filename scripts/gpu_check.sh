@@ -23,7 +23,9 @@ mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
 source scripts/gpu_env.sh
 
-commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device's copy of .git may be older than the tree it runs (its `git rev-parse` answered a
+# commit before the carried one): the commit comes from here, in GPU_CHECK_COMMIT.
+commit=${GPU_CHECK_COMMIT:-"unknown (set GPU_CHECK_COMMIT)"}
 ALL="tests serving decode"
 steps=${*:-$ALL}
 gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG" || echo "no CUDA GPU")

@@ -37,7 +37,9 @@ for pair in "read:read_product read_nixl" "policy:policy_refill policy_mixed" "a
   "profile:profile_fp8" "split:split_adaptive split_fixed"; do
   [[ $steps == *" ${pair%%:*} "* ]] && steps="$steps ${pair#*:} "
 done
-commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device's copy of .git may be older than the tree it runs (its `git rev-parse` answered a
+# commit before the carried one): the commit comes from here, in GPU_CHECK_COMMIT.
+commit=${GPU_CHECK_COMMIT:-"unknown (set GPU_CHECK_COMMIT)"}
 echo "gpu_perf at $commit on $("$PY" -c "import torch; print(torch.cuda.get_device_name(0))" 2>>"$LOG")" | tee -a "$LOG"
 
 step() {  # step NAME SECONDS COMMAND...: runs it into the log (and NAME.log), cut after SECONDS
