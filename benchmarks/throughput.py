@@ -32,10 +32,10 @@ Before each cell an untimed warm-up compiles kernels and captures graphs at ever
 the cell can meet (adaptive exit meets them all as rows leave at different depths): k
 requests of 2 tokens at fixed depth for C, then each graph size k below C (largest first: see
 `warm_sizes`). The note says how many graphs the timed part still captured and how many of
-its batches ran eagerly (prompt rows: not decode-shaped, so no graph). Correctness in the same run: the first --check
-requests run alone (C = 1) with their top-20 logprobs, and again inside every cell; the largest C that ran them
-to the end must give the same greedy tokens, but at near-ties up to --tie-nats (each run's
-logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
+its batches ran eagerly (prompt rows: not decode-shaped, so no graph). Correctness in the
+same run: the first --check requests run alone (C = 1) with their top-20 logprobs, and again
+inside every cell; the largest C that ran them to the end must give the same greedy tokens,
+but at near-ties up to --tie-nats (each run's logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
 fp32), as benchmarks/pd_vs_colocated.py rules. With adaptive exit a first difference where the
 two runs exited the token at different depths is an "exit flip", listed apart: bf16 numerics
 that depend on the batch's shape move the exit gate's score, a decision near the threshold

@@ -134,8 +134,8 @@ def test_after_the_warm_up_an_adaptive_cell_meets_no_graph_it_has_not_captured(m
     """A graph is captured per (Operation, padded size, context bucket) and the state slab's
     version: a growth of the slab drops every graph. The warm-up must leave the slab at the
     cell's peak (C prompts' rows) and every size below C captured after that, so the timed cell
-    captures nothing for its decode rows (padded graph path on CPU, `capture=False`; 256-token
-    prompts grow the slab from its 256 rows several times). Not covered: a prompt whose rows
+    captures nothing for its decode rows (padded graph path on CPU, `capture=False`; eight
+    1024-token prompts grow the slab from its 256 rows to 8K in several steps). Not covered: a prompt whose rows
     but one exited loops that row alone, a decode-shaped batch at the position's context
     bucket (data-dependent; the cell counts those captures)."""
     import argparse
@@ -149,26 +149,28 @@ def test_after_the_warm_up_an_adaptive_cell_meets_no_graph_it_has_not_captured(m
     from loopserve.engine.config import EngineConfig
     from loopserve.engine.engine_core import EngineCore
 
-    c, prompt_len, out_len = 8, 256, 12
+    c, prompt_len, out_len = 8, 1024, 12
     keys: set = set()
     new_in_cell: list = []
     timed = False
     real = cuda_graphs.DecodeGraphs.run
 
     def run_recording(self, hb, forward, slab_version):
-        key = (slab_version, hb.operation, cuda_graphs._bucket(hb.num_rows, self.sizes),
-               max(cuda_graphs.MIN_CONTEXT_BUCKET, 1 << max(max(hb.context_lens) - 1, 0).bit_length()))
-        if key not in keys:
-            keys.add(key)
-            if timed and min(hb.positions) >= prompt_len:  # decode rows (see below)
-                new_in_cell.append(key)
-        return real(self, hb, forward, slab_version)
+        def recorded(mb):  # the padded batch run() built: its rows and context bucket are the key's
+            key = (slab_version, hb.operation, mb.positions.numel(), mb.attn.max_context_len)
+            if key not in keys:
+                keys.add(key)
+                if timed and min(hb.positions) >= prompt_len:  # decode rows (see below)
+                    new_in_cell.append(key)
+            return forward(mb)
+
+        return real(self, hb, recorded, slab_version)
 
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", run_recording)
-    engine = EngineCore(EngineConfig(model="tiny-ouro", device="cpu", dtype="float32", num_blocks=600,
-                                     block_size=16, max_model_len=512, seed=0,
-                                     scheduler={"max_num_seqs": c, "max_num_batched_tokens": 1024}))
-    engine.runner.use_graphs(c, 512 // 16, capture=False)
+    engine = EngineCore(EngineConfig(model="tiny-ouro", device="cpu", dtype="float32", num_blocks=2200,
+                                     block_size=16, max_model_len=1100, seed=0,
+                                     scheduler={"max_num_seqs": c, "max_num_batched_tokens": 4096}))
+    engine.runner.use_graphs(c, 1100 // 16 + 1, capture=False)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 250) for _ in range(prompt_len)] for _ in range(2 * c)]
     args = argparse.Namespace(exit_threshold=0.6)
