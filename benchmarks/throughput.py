@@ -29,20 +29,20 @@ Columns:
   s:          the cell's wall time (with --max-seconds a cell is cut there, and said so; past
               --budget-s of the whole run no further cell starts, and each prints as skipped).
 Before each cell an untimed warm-up compiles kernels and captures graphs at every batch size
-the cell can meet (adaptive exit meets them all as rows leave at different depths): k
-requests of 2 tokens at fixed depth for C, then each graph size k below C (largest first: see
-`warm_sizes`). The note says how many graphs the timed part still captured and how many of
-its batches ran eagerly (prompt rows: not decode-shaped, so no graph). Correctness in the
-same run: the first --check requests run alone (C = 1) with their top-20 logprobs, and again
-inside every cell; the largest C that ran them to the end must give the same greedy tokens,
-but at near-ties up to --tie-nats (each run's logprob of its own token minus that of the other's; default 0.25 nats in bf16/fp16, 0.001 in
-fp32), as benchmarks/pd_vs_colocated.py rules. With adaptive exit a first difference where the
-two runs exited the token at different depths is an "exit flip", listed apart: bf16 numerics
-that depend on the batch's shape move the exit gate's score, a decision near the threshold
-goes the other way, and the token comes from another depth's state. Exit status 1 if a stream
-differs beyond the tie at equal depths, or (fp32) at an exit flip, or if an engine failed: a
-cell whose engine fails (out of memory, a kernel fault) prints FAILED with the error and the
-table goes on with a fresh engine.
+the cell can meet (adaptive exit meets them all as rows leave at different depths): k requests
+of 2 tokens at fixed depth for C, then each graph size k below C (largest first: see
+`warm_sizes`). The note says how many graphs the timed part still captured and how many of its
+batches ran eagerly (prompt rows: not decode-shaped, so no graph). Correctness in the same
+run: the first --check requests run alone (C = 1) with their top-20 logprobs, and again inside
+every cell; the largest C that ran them to the end must give the same greedy tokens, but at
+near-ties up to --tie-nats (each run's logprob of its own token minus that of the other's;
+default 0.25 nats in bf16/fp16, 0.001 in fp32), as benchmarks/pd_vs_colocated.py rules. With
+adaptive exit a first difference where the two runs exited the token at different depths is an
+"exit flip", listed apart: bf16 numerics that depend on the batch's shape move the exit gate's
+score, a decision near the threshold goes the other way, and the token comes from another
+depth's state. Exit status 1 if a stream differs beyond the tie at equal depths, or (fp32) at
+an exit flip, or if an engine failed: a cell whose engine fails (out of memory, a kernel
+fault) prints FAILED with the error and the table goes on with a fresh engine.
 
 GPU:  python benchmarks/throughput.py [--cs 1,8,32,64,128,256] [--prompt-lens 1024,4096]
       [--output-len 128] [--modes fixed,adaptive] [--kv-cache-dtype auto|fp8_e4m3]
